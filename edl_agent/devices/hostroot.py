@@ -1,0 +1,102 @@
+"""Every file and tool the agent reads is found under a host root: `/` on a node, `/host` in a
+DaemonSet pod, a directory tree for a simulated node. Discovery code only ever sees host paths."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+# Where vendor command-line tools live on the nodes we support, in search order.
+TOOL_DIRS = (
+    "/usr/local/sbin",
+    "/usr/local/bin",
+    "/usr/sbin",
+    "/usr/bin",
+    "/sbin",
+    "/bin",
+    "/usr/local/Ascend/driver/tools",
+    "/usr/local/xpu/bin",
+    "/opt/hyhal/bin",
+)
+
+
+class ToolError(Exception):
+    """A vendor tool exists but could not be run or failed; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class HostRoot:
+    root: Path
+
+    @classmethod
+    def at(cls, root: str | os.PathLike[str]) -> HostRoot:
+        return cls(Path(root).resolve())
+
+    def path(self, host_path: str) -> Path:
+        """The local path of `host_path` (absolute, as on the host)."""
+        if not host_path.startswith("/"):
+            msg = f"host paths are absolute, got {host_path!r}"
+            raise ValueError(msg)
+        return self.root / host_path.lstrip("/")
+
+    def exists(self, host_path: str) -> bool:
+        return self.path(host_path).exists()
+
+    def read_text(self, host_path: str) -> str:
+        return self.path(host_path).read_text(encoding="utf-8", errors="replace")
+
+    def read_optional(self, host_path: str) -> str | None:
+        """The file's stripped text, or None when it is missing or unreadable."""
+        try:
+            return self.read_text(host_path).strip()
+        except OSError:
+            return None
+
+    def glob(self, host_dir: str, pattern: str) -> list[str]:
+        """Host paths in `host_dir` matching `pattern`, sorted naturally (nvidia2 before nvidia10)."""
+        local = self.path(host_dir)
+        if not local.is_dir():
+            return []
+        names = [p.name for p in local.glob(pattern)]
+        return [f"{host_dir.rstrip('/')}/{name}" for name in sorted(names, key=natural_key)]
+
+    def which(self, tool: str) -> Path | None:
+        """The local path of an executable vendor tool under the root, or None."""
+        for directory in TOOL_DIRS:
+            candidate = self.path(f"{directory}/{tool}")
+            if candidate.is_file() and os.access(candidate, os.X_OK):
+                return candidate
+        return None
+
+    def run_tool(self, tool: Path, args: Sequence[str], *, timeout: float = 10.0) -> str:
+        """Run a vendor tool found by `which` and return its stdout; failures raise ToolError."""
+        try:
+            done = subprocess.run(
+                [str(tool), *args],
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                check=False,
+            )
+        except subprocess.TimeoutExpired as exc:
+            msg = f"{tool.name} {' '.join(args)} timed out after {timeout:g}s"
+            raise ToolError(msg) from exc
+        except OSError as exc:
+            msg = f"{tool.name} {' '.join(args)} could not run: {exc.strerror or exc}"
+            raise ToolError(msg) from exc
+        if done.returncode != 0:
+            detail = (done.stderr or done.stdout).strip().splitlines()
+            tail = detail[-1] if detail else "no output"
+            msg = f"{tool.name} {' '.join(args)} exited {done.returncode}: {tail}"
+            raise ToolError(msg)
+        return done.stdout
+
+
+def natural_key(name: str) -> tuple[str, int, str]:
+    """Sort key that orders `card2` before `card10`."""
+    stem = name.rstrip("0123456789")
+    digits = name[len(stem) :]
+    return (stem, int(digits) if digits else -1, name)

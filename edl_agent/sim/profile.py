@@ -1,0 +1,186 @@
+"""Simulated-node profiles: YAML files shipped in `edl_agent/sim/profiles/`, loaded into typed specs.
+
+A profile describes hardware (what a node has), not what the agent should conclude: the tree
+builders turn it into device files, sysfs attributes, vendor-tool stand-ins and the fake NVML
+library's data, and discovery then reads that tree exactly as it reads a real node.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import uuid
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any, Literal
+
+import yaml
+
+from edl_agent.typed import SchemaError, build
+
+PROFILE_NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
+
+
+class ProfileError(Exception):
+    """A profile that is unknown or malformed; the message names the profile and the key."""
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    hostname: str
+    machine: str = "Simulated Server"
+    numa_nodes: int = 1
+
+    def check(self) -> None:
+        if self.numa_nodes < 1:
+            raise ValueError("numa_nodes: must be at least 1")
+
+
+@dataclass(frozen=True)
+class MigSpec:
+    """`count` MIG devices of one profile (e.g. `3g.40gb`) on each GPU of the group."""
+
+    profile: str
+    memory_mib: int
+    count: int = 1
+    slices: int = 1  # compute slices (the `Ng` of the profile)
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """`count` identical GPUs."""
+
+    name: str
+    memory_mib: int
+    count: int = 1
+    compute_capability: str = "9.0"
+    architecture: str = "hopper"
+    mig_capable: bool = False
+    mig: tuple[MigSpec, ...] = ()
+    power_limit_w: int = 700
+
+    def check(self) -> None:
+        if self.count < 1:
+            raise ValueError("count: must be at least 1")
+        if not re.fullmatch(r"\d+\.\d+", self.compute_capability):
+            raise ValueError("compute_capability: expected MAJOR.MINOR such as 9.0")
+        if self.mig and not self.mig_capable:
+            raise ValueError("mig: MIG devices need mig_capable: true")
+
+
+@dataclass(frozen=True)
+class NvidiaSpec:
+    driver_version: str
+    cuda_driver_version: int  # as NVML reports it: 12040 means CUDA 12.4
+    gpus: tuple[GpuSpec, ...]
+    nvlink: Literal["none", "all", "pairs"] = "none"
+    nvlink_links: int = 1  # NVLink links between each connected pair
+
+
+@dataclass(frozen=True)
+class XpuSpec:
+    product: str
+    memory_mib: int
+    count: int = 1
+
+
+@dataclass(frozen=True)
+class KunlunxinSpec:
+    driver_version: str
+    xpus: tuple[XpuSpec, ...]
+
+
+@dataclass(frozen=True)
+class DcuSpec:
+    product: str
+    memory_mib: int
+    compute_units: int
+    count: int = 1
+
+
+@dataclass(frozen=True)
+class HygonSpec:
+    driver_version: str
+    dcus: tuple[DcuSpec, ...]
+
+
+@dataclass(frozen=True)
+class NpuSpec:
+    product: str  # chip name as npu-smi prints it, e.g. 910B3
+    memory_mib: int
+    count: int = 1
+
+
+@dataclass(frozen=True)
+class AscendSpec:
+    driver_version: str
+    npus: tuple[NpuSpec, ...]
+
+
+@dataclass(frozen=True)
+class Profile:
+    description: str
+    node: NodeSpec
+    nvidia: NvidiaSpec | None = None
+    kunlunxin: KunlunxinSpec | None = None
+    hygon: HygonSpec | None = None
+    ascend: AscendSpec | None = None
+    # Agent settings this profile is meant to be shown with (e.g. cGPU sharing); applied below
+    # the config file, environment and flags.
+    config: dict[str, Any] = field(default_factory=dict)
+    name: str = ""
+
+
+def profile_names() -> list[str]:
+    directory = resources.files("edl_agent.sim") / "profiles"
+    return sorted(p.name.removesuffix(".yaml") for p in directory.iterdir() if p.name.endswith(".yaml"))
+
+
+def load_profile(name: str) -> Profile:
+    if not PROFILE_NAME.match(name) or name not in profile_names():
+        known = ", ".join(profile_names())
+        msg = f"unknown profile {name!r} (known: {known})"
+        raise ProfileError(msg)
+    text = (resources.files("edl_agent.sim") / "profiles" / f"{name}.yaml").read_text("utf-8")
+    return parse_profile(name, text)
+
+
+def parse_profile(name: str, text: str) -> Profile:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        msg = f"profile {name}:{where}: {problem}"
+        raise ProfileError(msg) from None
+    if isinstance(data, dict):
+        data = {**data, "name": name}
+    try:
+        return build(Profile, data)
+    except SchemaError as exc:
+        msg = f"profile {name}: {exc}"
+        raise ProfileError(msg) from None
+
+
+# Deterministic per-device facts, shared by the tree builders so that every run of a profile gives
+# the same ids (tests and people can rely on them).
+
+
+def stable_uuid(*parts: object) -> str:
+    digest = hashlib.sha256("/".join(str(p) for p in parts).encode()).digest()
+    return str(uuid.UUID(bytes=digest[:16], version=4))
+
+
+def numa_node_of(index: int, count: int, numa_nodes: int) -> int:
+    """Spread `count` devices evenly over the NUMA nodes, lower indexes on lower nodes."""
+    return index * numa_nodes // max(count, 1)
+
+
+def pci_bus_id(vendor_slot: int, index: int) -> str:
+    """A sysfs-style PCI address (`0000:18:00.0`), distinct per vendor slot and device index.
+
+    Vendors get separate PCI domains so that a mixed node never shows two devices at one address.
+    """
+    bus, slot = divmod(0x18 + index * 0x08, 0x100)
+    return f"{vendor_slot:04x}:{slot:02x}:{bus:02x}.0"
