@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 import types
 import typing
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+KEY_PATH = re.compile(r"[a-z_][a-z0-9_]*(\[\d+\])?(\.[a-z_][a-z0-9_]*(\[\d+\])?)*")
 
 
 class SchemaError(ValueError):
@@ -45,10 +47,7 @@ def build(cls: type[T], data: Any, where: str = "") -> T:
         key_where = _join(where, name)
         if name in data:
             values[name] = _convert(hints[name], data[name], key_where)
-        elif (
-            field.default is dataclasses.MISSING
-            and field.default_factory is dataclasses.MISSING
-        ):
+        elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
             raise SchemaError(key_where, "required key is missing")
     instance = cls(**values)
     check = getattr(instance, "check", None)
@@ -57,7 +56,7 @@ def build(cls: type[T], data: Any, where: str = "") -> T:
             check()
         except ValueError as exc:
             key, sep, message = str(exc).partition(": ")
-            if sep and key.replace("_", "").replace(".", "").isalnum():
+            if sep and KEY_PATH.fullmatch(key):
                 raise SchemaError(_join(where, key), message) from None
             raise SchemaError(where, str(exc)) from None
     return instance
@@ -93,9 +92,7 @@ def _convert(hint: Any, value: Any, where: str) -> Any:  # noqa: PLR0911, PLR091
         if not isinstance(value, Mapping):
             raise SchemaError(where, f"expected a mapping, got {_describe(value)}")
         value_hint = args[1] if len(args) == 2 else Any
-        return {
-            str(k): _convert(value_hint, v, _join(where, str(k))) for k, v in value.items()
-        }
+        return {str(k): _convert(value_hint, v, _join(where, str(k))) for k, v in value.items()}
     if dataclasses.is_dataclass(hint) and isinstance(hint, type):
         return build(hint, value, where)
     if isinstance(hint, type) and issubclass(hint, enum.Enum):

@@ -1,1 +1,1 @@
-"""Accelerator discovery: vendor backends that read a host root and return a vendor-neutral model."""
+"""Accelerator discovery: vendor backends read a host root and return a vendor-neutral model."""

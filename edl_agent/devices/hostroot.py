@@ -55,8 +55,14 @@ class HostRoot:
         except OSError:
             return None
 
+    def pci_numa_node(self, bus_id: str | None) -> int | None:
+        """The NUMA node sysfs reports for a PCI device (`0000:18:00.0`), or None."""
+        if bus_id is None:
+            return None
+        return parse_numa_node(self.read_optional(f"/sys/bus/pci/devices/{bus_id}/numa_node"))
+
     def glob(self, host_dir: str, pattern: str) -> list[str]:
-        """Host paths in `host_dir` matching `pattern`, sorted naturally (nvidia2 before nvidia10)."""
+        """Host paths in `host_dir` matching `pattern`, in natural order (nvidia2, nvidia10)."""
         local = self.path(host_dir)
         if not local.is_dir():
             return []
@@ -93,6 +99,14 @@ class HostRoot:
             msg = f"{tool.name} {' '.join(args)} exited {done.returncode}: {tail}"
             raise ToolError(msg)
         return done.stdout
+
+
+def parse_numa_node(text: str | None) -> int | None:
+    """A sysfs `numa_node` value; -1 (the platform does not say) and garbage give None."""
+    if text is None or not text.strip().lstrip("-").isdigit():
+        return None
+    node = int(text)
+    return node if node >= 0 else None
 
 
 def natural_key(name: str) -> tuple[str, int, str]:

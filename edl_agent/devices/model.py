@@ -1,4 +1,4 @@
-"""Vendor-neutral device model: pure data shared by discovery, the device plugin, health and labels."""
+"""Vendor-neutral device model: pure data shared by discovery, device plugin, health, labels."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ class LinkKind(enum.StrEnum):
 
 @dataclass(frozen=True)
 class Link:
-    """A direct link from a device to a peer device (by id); `count` is the number of lanes/links."""
+    """A direct link from a device to a peer device (by id); `count` is the number of links."""
 
     peer: str
     kind: LinkKind
@@ -116,7 +116,7 @@ class ResourceUnit:
 
 @dataclass(frozen=True)
 class Resource:
-    """An extended resource (`nvidia.com/gpu`, `baidu.com/v100_32g_cgpu_memory`) and its unit ids."""
+    """An extended resource (`nvidia.com/gpu`, `baidu.com/v100_32g_cgpu`) and its unit ids."""
 
     name: str
     units: tuple[ResourceUnit, ...]

@@ -1,4 +1,4 @@
-"""Simulated-node profiles: YAML files shipped in `edl_agent/sim/profiles/`, loaded into typed specs.
+"""Simulated-node profiles: YAML files in `edl_agent/sim/profiles/`, loaded into typed specs.
 
 A profile describes hardware (what a node has), not what the agent should conclude: the tree
 builders turn it into device files, sysfs attributes, vendor-tool stand-ins and the fake NVML
@@ -133,7 +133,9 @@ class Profile:
 
 def profile_names() -> list[str]:
     directory = resources.files("edl_agent.sim") / "profiles"
-    return sorted(p.name.removesuffix(".yaml") for p in directory.iterdir() if p.name.endswith(".yaml"))
+    return sorted(
+        p.name.removesuffix(".yaml") for p in directory.iterdir() if p.name.endswith(".yaml")
+    )
 
 
 def load_profile(name: str) -> Profile:

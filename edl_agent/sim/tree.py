@@ -25,7 +25,9 @@ def build_tree(profile: Profile, root: Path) -> None:
     write_file(root, "/etc/hostname", profile.node.hostname + "\n")
     write_file(root, "/sys/class/dmi/id/product_name", profile.node.machine + "\n")
     for numa in range(profile.node.numa_nodes):
-        write_file(root, f"/sys/devices/system/node/node{numa}/cpulist", f"{numa * 32}-{numa * 32 + 31}\n")
+        write_file(
+            root, f"/sys/devices/system/node/node{numa}/cpulist", f"{numa * 32}-{numa * 32 + 31}\n"
+        )
     if profile.nvidia is not None:
         from edl_agent.sim import nvidia_tree
 

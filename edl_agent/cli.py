@@ -1,0 +1,297 @@
+"""`edl-agent` command line: discover accelerators, and build simulated nodes to run on."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from edl_agent import __version__, log
+from edl_agent.config import (
+    ConfigError,
+    Settings,
+    assignment,
+    describe_settings,
+    load_settings,
+    set_path,
+)
+from edl_agent.devices.model import Inventory
+from edl_agent.sim.profile import ProfileError, load_profile, profile_names
+
+EXIT_USAGE = 2
+
+DESCRIPTION = """\
+edl-agent discovers the accelerators of a Kubernetes node (NVIDIA GPUs with MIG, Kunlunxin XPUs,
+Hygon DCUs, Huawei Ascend NPUs and shared slices of them) and tells kubelet, the node and the
+restarter about them. Every command reads the node under --host-root (default /), or under a
+simulated node built from a profile with --simulate PROFILE (see `edl-agent simulate list`).
+"""
+
+SETTINGS_EPILOG = """\
+settings: every key below can come from --config FILE (YAML), from an EDL_* environment variable
+(EDL_LOG_LEVEL=debug, EDL_NVIDIA__MIG_STRATEGY=mixed) or from --set KEY=VALUE; flags win over the
+environment, the environment over the file. `edl-agent config` lists every key.
+"""
+
+
+class UsageError(Exception):
+    """Bad input from the person running the command: printed as one line, exit 2."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args))
+    except (UsageError, ConfigError, ProfileError) as exc:
+        print(f"edl-agent: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="edl-agent",
+        description=DESCRIPTION,
+        epilog=SETTINGS_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"edl-agent {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    node = _node_options()
+    discover = commands.add_parser(
+        "discover",
+        parents=[node],
+        help="list the node's accelerators and the resources kubelet would see",
+        description="Discover every accelerator under the host root and print the inventory: "
+        "one row per device and the resources that would be advertised to kubelet (slices "
+        "included). A vendor whose library or tool fails is reported as an error and the "
+        "others are still listed.",
+        epilog=SETTINGS_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    discover.add_argument(
+        "--format",
+        choices=("table", "json"),
+        default="table",
+        help="table for people (default), json for programs: "
+        '{"node", "devices": [...], "resources": [{"name", "devices": [ids]}]}',
+    )
+    discover.set_defaults(handler=_discover)
+
+    config = commands.add_parser(
+        "config",
+        parents=[node],
+        help="print the effective settings, or every key with its default",
+        description="Print the settings after merging the config file, EDL_* environment and "
+        "flags (and the profile's defaults with --simulate), as YAML-compatible JSON.",
+    )
+    config.add_argument("--keys", action="store_true", help="list every key, default and meaning")
+    config.set_defaults(handler=_config)
+
+    simulate = commands.add_parser(
+        "simulate",
+        help="build and list simulated nodes",
+        description="Simulated nodes are directory trees with device files, sysfs attributes, "
+        "vendor-tool stand-ins and a fake libnvidia-ml.so.1 (compiled with gcc) that serve a "
+        "profile's hardware to the same discovery code that reads a real node.",
+    )
+    sim_commands = simulate.add_subparsers(dest="sim_command", metavar="SUBCOMMAND", required=True)
+    sim_list = sim_commands.add_parser("list", help="list the shipped profiles")
+    sim_list.set_defaults(handler=_simulate_list)
+    sim_build = sim_commands.add_parser(
+        "build",
+        help="write a simulated node's host-root tree",
+        description="Write the host-root tree of PROFILE into DIR (created if missing; must be "
+        "empty). Point any command at it with --host-root DIR.",
+    )
+    sim_build.add_argument("profile", metavar="PROFILE", help="a name from `simulate list`")
+    sim_build.add_argument("directory", metavar="DIR", type=Path, help="where to write the tree")
+    sim_build.set_defaults(handler=_simulate_build)
+    return parser
+
+
+def _node_options() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    where = common.add_mutually_exclusive_group()
+    where.add_argument(
+        "--host-root", metavar="DIR", help="read the node under DIR (default /, or host_root)"
+    )
+    where.add_argument(
+        "--simulate",
+        metavar="PROFILE",
+        help="build a simulated node for PROFILE in a temporary directory and read it",
+    )
+    common.add_argument("--config", metavar="FILE", help="YAML settings file")
+    common.add_argument(
+        "--set",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        dest="assignments",
+        help="set any setting, e.g. --set nvidia.mig_strategy=mixed (repeatable)",
+    )
+    common.add_argument("--node-name", help="Kubernetes node name (default $NODE_NAME or hostname)")
+    common.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    common.add_argument("--log-format", choices=("auto", "json", "console"))
+    return common
+
+
+def settings_from_args(
+    args: argparse.Namespace,
+    *,
+    environ: Mapping[str, str] | None = None,
+    defaults: Mapping[str, Any] | None = None,
+    host_root: str | None = None,
+) -> Settings:
+    """Settings from --config, the environment and flags; `host_root` (a simulated tree) wins."""
+    overrides: dict[str, Any] = {}
+    for text in args.assignments:
+        path, value = assignment(text)
+        set_path(overrides, path, value)
+    for flag in ("host_root", "node_name", "log_level", "log_format"):
+        value = getattr(args, flag, None)
+        if value is not None:
+            overrides[flag] = value
+    if host_root is not None:
+        overrides["host_root"] = host_root
+    settings = load_settings(
+        file=args.config,
+        environ=os.environ if environ is None else environ,
+        overrides=overrides,
+        defaults=defaults,
+    )
+    log.configure(settings.log_level, settings.log_format)
+    return settings
+
+
+@contextlib.contextmanager
+def node_settings(args: argparse.Namespace) -> Iterator[Settings]:
+    """Settings for a command that reads a node, with a simulated tree when --simulate is given."""
+    if args.simulate is None:
+        settings = settings_from_args(args)
+        _check_host_root(settings.host_root)
+        yield settings
+        return
+    profile = load_profile(args.simulate)
+    with tempfile.TemporaryDirectory(prefix=f"edl-sim-{profile.name}-") as tmp:
+        settings = settings_from_args(args, defaults=profile.config, host_root=tmp)
+        structlog.get_logger().info("building simulated node", profile=profile.name, root=tmp)
+        _build_tree(profile.name, Path(tmp))
+        yield settings
+
+
+def _check_host_root(host_root: str) -> None:
+    path = Path(host_root)
+    if not path.is_dir():
+        msg = f"host root {host_root}: not a directory"
+        raise UsageError(msg)
+    if not os.access(path, os.R_OK | os.X_OK):
+        msg = f"host root {host_root}: not readable"
+        raise UsageError(msg)
+
+
+def _build_tree(name: str, directory: Path) -> None:
+    from edl_agent.sim.fake_nvml_build import FakeNvmlBuildError
+    from edl_agent.sim.tree import build_tree
+
+    try:
+        build_tree(load_profile(name), directory)
+    except FakeNvmlBuildError as exc:
+        raise UsageError(str(exc)) from None
+    except OSError as exc:
+        msg = f"cannot write simulated node into {directory}: {exc.strerror or exc}"
+        raise UsageError(msg) from None
+
+
+def _discover(args: argparse.Namespace) -> int:
+    from edl_agent.devices.discovery import discover_node
+
+    with node_settings(args) as settings:
+        inventory = discover_node(settings)
+    if args.format == "json":
+        print(json.dumps(inventory.to_json(), indent=2))
+    else:
+        print(render_table(inventory))
+    return 0
+
+
+def _config(args: argparse.Namespace) -> int:
+    if args.keys:
+        for key, default, meaning in describe_settings():
+            print(f"{key:32} {default:24} {meaning}")
+        return 0
+    from dataclasses import asdict
+
+    with node_settings(args) as settings:
+        print(json.dumps(asdict(settings), indent=2))
+    return 0
+
+
+def _simulate_list(_: argparse.Namespace) -> int:
+    for name in profile_names():
+        print(f"{name:16} {load_profile(name).description}")
+    return 0
+
+
+def _simulate_build(args: argparse.Namespace) -> int:
+    log.configure()
+    directory: Path = args.directory
+    load_profile(args.profile)  # unknown or malformed profiles fail before anything is written
+    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+        msg = f"{directory}: exists and is not an empty directory"
+        raise UsageError(msg)
+    _build_tree(args.profile, directory)
+    print(f"simulated node {args.profile} written to {directory}")
+    print(f"read it with: edl-agent discover --host-root {directory}")
+    return 0
+
+
+def render_table(inventory: Inventory) -> str:
+    header = ("VENDOR", "KIND", "INDEX", "ID", "PRODUCT", "MEMORY", "NUMA", "PCI", "HEALTH")
+    rows = [
+        (
+            d.vendor.value,
+            d.kind,
+            str(d.index),
+            d.id,
+            d.product,
+            f"{d.memory_mib} MiB",
+            "-" if d.numa_node is None else str(d.numa_node),
+            d.pci_bus_id or "-",
+            d.health.value,
+        )
+        for d in inventory.devices
+    ]
+    lines = [f"node {inventory.node}: {len(rows)} devices"]
+    if rows:
+        lines += _columns([header, *rows])
+    for vendor, error in sorted(inventory.errors.items()):
+        lines.append(f"error {vendor}: {error}")
+    lines.append("")
+    lines += _columns(
+        [("RESOURCE", "COUNT"), *((r.name, str(len(r.units))) for r in inventory.resources)]
+    )
+    return "\n".join(lines)
+
+
+def _columns(rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

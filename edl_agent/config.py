@@ -1,0 +1,336 @@
+"""Typed settings, layered: defaults < profile defaults < YAML file < EDL_* environment < flags.
+
+Environment variables name a key path with `__` between levels: `EDL_LOG_LEVEL=debug`,
+`EDL_NVIDIA__MIG_STRATEGY=mixed`. Their values are read as YAML scalars (`true`, `3`, `[a, b]`),
+so every key can be set from a pod spec. Flags use `--set nvidia.mig_strategy=mixed` the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from edl_agent.typed import SchemaError, build
+
+ENV_PREFIX = "EDL_"
+RESOURCE_NAME = re.compile(
+    r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+)
+PLACEHOLDERS = ("{resource}", "{model}", "{memory}")
+
+
+class ConfigError(Exception):
+    """Bad configuration; the message names the key and the source."""
+
+
+@dataclass(frozen=True)
+class NvidiaSettings:
+    enabled: bool = True
+    """Discover NVIDIA GPUs through NVML."""
+    resource_name: str = "nvidia.com/gpu"
+    """Resource for whole GPUs (and for MIG devices under the `single` strategy)."""
+    mig_strategy: Literal["none", "single", "mixed"] = "none"
+    """none: advertise whole GPUs only; single: MIG devices as `nvidia.com/gpu`; mixed: MIG
+    devices as `nvidia.com/mig-<profile>` beside whole GPUs without MIG."""
+
+
+@dataclass(frozen=True)
+class KunlunxinSettings:
+    enabled: bool = True
+    """Discover Kunlunxin XPUs (`/dev/xpu*`, `xpu-smi`)."""
+    resource_name: str = "kunlunxin.com/xpu"
+    """Resource for whole XPUs (older clusters use `baidu.com/xpu`)."""
+
+
+@dataclass(frozen=True)
+class HygonSettings:
+    enabled: bool = True
+    """Discover Hygon DCUs (DRM cards of PCI vendor 0x1d94, `hy-smi`)."""
+    resource_name: str = "hygon.com/dcunum"
+    """Resource for whole DCUs."""
+
+
+@dataclass(frozen=True)
+class VnpuTemplate:
+    """A fixed Ascend vNPU partition advertised as its own resource (`huawei.com/Ascend910-5c`)."""
+
+    resource: str
+    per_device: int
+    aicore: int
+    memory_mib: int
+
+    def check(self) -> None:
+        if self.per_device < 1:
+            raise ValueError("per_device: must be at least 1")
+
+
+@dataclass(frozen=True)
+class AscendSettings:
+    enabled: bool = True
+    """Discover Huawei Ascend NPUs (`/dev/davinci*`, `npu-smi`)."""
+    resource_prefix: str = "huawei.com/"
+    """Resources are named by chip family after this prefix: `huawei.com/Ascend910`."""
+    vnpu_templates: tuple[VnpuTemplate, ...] = ()
+    """vNPU partitions, each its own resource: [{resource, per_device, aicore, memory_mib}]."""
+
+
+@dataclass(frozen=True)
+class SharingRule:
+    """How the devices of one resource are shared.
+
+    Names may use `{resource}` (the base resource name), `{model}` (`v100`, `h100`) and `{memory}`
+    (`32g`), e.g. `baidu.com/{model}_{memory}_cgpu_memory`; devices of different models then land
+    in resources of their own.
+    """
+
+    resource: str
+    keep_whole: bool = False
+    """Advertise the whole devices too, beside the shares."""
+    replicas: int = 0
+    """Time-slicing: this many ids per device (`<id>::<i>`); 0 for none."""
+    replica_resource: str = "{resource}"
+    memory_unit_mib: int = 0
+    """One id per this many MiB of device memory; 0 for none."""
+    memory_resource: str = "{resource}-memory"
+    core_unit_percent: int = 0
+    """One id per this many percent of the device's compute; 0 for none."""
+    core_resource: str = "{resource}-core"
+
+    def check(self) -> None:
+        if self.replicas < 0 or self.memory_unit_mib < 0:
+            raise ValueError("replicas and memory_unit_mib must not be negative")
+        if self.core_unit_percent and 100 % self.core_unit_percent:
+            raise ValueError("core_unit_percent: must divide 100 (1, 2, 4, 5, 10, 20, 25, 50)")
+        if self.keep_whole and self.replicas and self.replica_resource == "{resource}":
+            raise ValueError(
+                "replica_resource: must differ from the resource when keep_whole is true"
+            )
+        if not (self.replicas or self.memory_unit_mib or self.core_unit_percent):
+            raise ValueError("set at least one of replicas, memory_unit_mib, core_unit_percent")
+
+
+@dataclass(frozen=True)
+class Settings:
+    node_name: str = ""
+    """The Kubernetes node this agent runs on; default: $NODE_NAME, else the host's hostname."""
+    host_root: str = "/"
+    """Every device, sysfs file, library and vendor tool is read under this directory."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Least severe log level written (logs go to stderr)."""
+    log_format: Literal["auto", "json", "console"] = "auto"
+    """auto: readable on a terminal, JSON lines otherwise."""
+    nvidia: NvidiaSettings = field(default_factory=NvidiaSettings)
+    kunlunxin: KunlunxinSettings = field(default_factory=KunlunxinSettings)
+    hygon: HygonSettings = field(default_factory=HygonSettings)
+    ascend: AscendSettings = field(default_factory=AscendSettings)
+    sharing: tuple[SharingRule, ...] = ()
+    """Sharing rules per resource: [{resource, keep_whole, replicas, replica_resource,
+    memory_unit_mib, memory_resource, core_unit_percent, core_resource}]; see README."""
+
+    def check(self) -> None:
+        names = [
+            ("nvidia.resource_name", self.nvidia.resource_name),
+            ("kunlunxin.resource_name", self.kunlunxin.resource_name),
+            ("hygon.resource_name", self.hygon.resource_name),
+        ]
+        names += [
+            (f"ascend.vnpu_templates[{i}].resource", t.resource)
+            for i, t in enumerate(self.ascend.vnpu_templates)
+        ]
+        for i, rule in enumerate(self.sharing):
+            names += [
+                (f"sharing[{i}].resource", rule.resource),
+                (f"sharing[{i}].replica_resource", rule.replica_resource),
+                (f"sharing[{i}].memory_resource", rule.memory_resource),
+                (f"sharing[{i}].core_resource", rule.core_resource),
+            ]
+        for key, name in names:
+            probe = name.replace("{resource}", "example.com/x")
+            for placeholder in PLACEHOLDERS:
+                probe = probe.replace(placeholder, "x")
+            if not RESOURCE_NAME.match(probe):
+                raise ValueError(f"{key}: {name!r} is not a valid extended resource name")
+
+
+def load_settings(
+    *,
+    file: str | None = None,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    defaults: Mapping[str, Any] | None = None,
+) -> Settings:
+    """Merge the layers and validate; raises ConfigError with one line naming key and source."""
+    merged: dict[str, Any] = {}
+    layers: list[tuple[str, Mapping[str, Any]]] = []
+    if defaults:
+        layers.append(("profile defaults", defaults))
+    if file is not None:
+        layers.append((file, _read_file(file)))
+    layers.append(("environment", env_layer(environ or {})))
+    layers.append(("command line", overrides or {}))
+    source_of: dict[str, str] = {}
+    for source, layer in layers:
+        _check_layer(layer, source)
+        _deep_merge(merged, layer)
+        for top in layer:
+            source_of[str(top)] = source
+    try:
+        return build(Settings, merged)
+    except SchemaError as exc:
+        source = source_of.get(exc.where.split(".")[0].split("[")[0], "configuration")
+        msg = f"{exc} (from {source})"
+        raise ConfigError(msg) from None
+
+
+def env_layer(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The `EDL_*` variables as a nested mapping; `EDL_A__B=v` becomes {"a": {"b": v}}."""
+    layer: dict[str, Any] = {}
+    for name, raw in environ.items():
+        if not name.startswith(ENV_PREFIX) or name in NON_SETTING_ENV:
+            continue
+        path = [part.lower() for part in name[len(ENV_PREFIX) :].split("__")]
+        set_path(layer, path, parse_value(path, raw, name))
+    return layer
+
+
+# EDL_ variables that are not settings (caches and test switches read elsewhere).
+NON_SETTING_ENV = frozenset({"EDL_CACHE_DIR", "EDL_K8S_BIN_DIR"})
+
+
+def assignment(text: str) -> tuple[list[str], Any]:
+    """Parse a `--set key.path=value` flag."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        msg = f"--set {text!r}: expected KEY=VALUE, e.g. nvidia.mig_strategy=mixed"
+        raise ConfigError(msg)
+    path = key.strip().split(".")
+    return path, parse_value(path, raw, f"--set {key}")
+
+
+def parse_value(path: list[str], raw: str, origin: str) -> Any:
+    """Strings stay strings where the setting is a string; everything else is a YAML scalar."""
+    if _hint_at(path) is str:
+        return raw
+    try:
+        return yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        msg = f"{'.'.join(path)}: cannot read value {raw!r} (from {origin})"
+        raise ConfigError(msg) from None
+
+
+def describe_settings() -> list[tuple[str, str, str]]:
+    """(key, default, help) for every setting, for the README and `--help`."""
+    rows: list[tuple[str, str, str]] = []
+    _describe(Settings, "", rows)
+    return rows
+
+
+def _describe(cls: type[Any], prefix: str, rows: list[tuple[str, str, str]]) -> None:
+    hints = typing.get_type_hints(cls)
+    docs = _field_docs(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint) and isinstance(hint, type):
+            _describe(hint, f"{key}.", rows)
+            continue
+        default: Any = f.default
+        if f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        shown = "required" if default is dataclasses.MISSING else repr(default)
+        rows.append((key, shown, docs.get(f.name, "")))
+
+
+def _field_docs(cls: type[Any]) -> dict[str, str]:
+    """Attribute docstrings (the string literal after a field), read from the source."""
+    import ast
+    import inspect
+
+    try:
+        tree = ast.parse(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    docs: dict[str, str] = {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    for node, after in itertools.pairwise(body):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def _hint_at(path: list[str]) -> Any:
+    hint: Any = Settings
+    for part in path:
+        if not (dataclasses.is_dataclass(hint) and isinstance(hint, type)):
+            return None
+        hints = typing.get_type_hints(hint)
+        if part not in hints:
+            return None
+        hint = hints[part]
+    return hint
+
+
+def _read_file(path: str) -> Mapping[str, Any]:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        msg = f"config file {path}: {exc.strerror or exc}"
+        raise ConfigError(msg) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        msg = f"config file {path}{where}: {getattr(exc, 'problem', None) or 'invalid YAML'}"
+        raise ConfigError(msg) from None
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        msg = f"config file {path}: expected a mapping of settings at the top"
+        raise ConfigError(msg)
+    return data
+
+
+def _check_layer(layer: Mapping[str, Any], source: str) -> None:
+    known = {f.name for f in dataclasses.fields(Settings)}
+    for key in layer:
+        if key not in known:
+            msg = f"{key}: unknown key (from {source}; known keys: {', '.join(sorted(known))})"
+            raise ConfigError(msg)
+
+
+def set_path(target: dict[str, Any], path: list[str], value: Any) -> None:
+    """Set `value` at the nested key `path`, creating mappings on the way."""
+    for part in path[:-1]:
+        nested = target.setdefault(part, {})
+        if not isinstance(nested, dict):
+            nested = target[part] = {}
+        target = nested
+    target[path[-1]] = value
+
+
+def _deep_merge(target: dict[str, Any], layer: Mapping[str, Any]) -> None:
+    for key, value in layer.items():
+        current = target.get(key)
+        if isinstance(current, dict) and isinstance(value, Mapping):
+            merged = dict(current)
+            _deep_merge(merged, value)
+            target[key] = merged
+        elif isinstance(value, Mapping):
+            target[key] = dict(value)
+        else:
+            target[key] = value

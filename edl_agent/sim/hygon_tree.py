@@ -1,0 +1,169 @@
+"""Hygon DCUs of a simulated node: DRM cards, KFD topology, device nodes and a `hy-smi` stand-in.
+
+Like a real server, the node also has a BMC VGA adapter as DRM `card0` (PCI vendor 0x1a03, no
+render node), so DCU `i` is `card<i+1>`: discovery must not equate DCU index and card number.
+The stand-in prints `hy-smi.json` (any `--json` call) or `hy-smi.txt` (no arguments), kept next
+to it; rewrite them to simulate faults.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from edl_agent.sim.profile import HygonSpec, Profile, numa_node_of, pci_bus_id, stable_uuid
+from edl_agent.sim.tree import VENDOR_SLOT, write_file
+
+TOOL = "/opt/hyhal/bin/hy-smi"
+JSON_OUTPUT = "/opt/hyhal/bin/hy-smi.json"
+TABLE_OUTPUT = "/opt/hyhal/bin/hy-smi.txt"
+PCI_VENDOR = "0x1d94"
+BMC_VGA_BUS = "0000:03:00.0"
+KFD_NODES = "/sys/class/kfd/kfd/topology/nodes"
+SIMD_PER_CU = 4
+
+SCRIPT = """#!/bin/sh
+# hy-smi stand-in for a simulated node: prints the recorded output kept next to this script.
+here=$(dirname "$0")
+case " $* " in
+  *" --json "*) exec cat "$here/hy-smi.json" ;;
+  "  ") exec cat "$here/hy-smi.txt" ;;
+  *) echo "hy-smi (simulated): unsupported arguments: $*" >&2; exit 2 ;;
+esac
+"""
+
+
+@dataclass(frozen=True)
+class SimDcu:
+    index: int
+    product: str
+    memory_mib: int
+    compute_units: int
+    bus_id: str
+    numa_node: int
+    card: int  # N of card<N>
+    render_minor: int  # M of renderD<M>
+
+
+def dcus_of(spec: HygonSpec, profile: Profile) -> list[SimDcu]:
+    total = sum(group.count for group in spec.dcus)
+    flat = [group for group in spec.dcus for _ in range(group.count)]
+    return [
+        SimDcu(
+            index=index,
+            product=group.product,
+            memory_mib=group.memory_mib,
+            compute_units=group.compute_units,
+            bus_id=pci_bus_id(VENDOR_SLOT["hygon"], index),
+            numa_node=numa_node_of(index, total, profile.node.numa_nodes),
+            card=index + 1,  # card0 is the BMC's VGA adapter
+            render_minor=128 + index,  # the VGA adapter has no render node
+        )
+        for index, group in enumerate(flat)
+    ]
+
+
+def write(spec: HygonSpec, profile: Profile, root: Path) -> None:
+    dcus = dcus_of(spec, profile)
+    for node in ("/dev/kfd", "/dev/mkfd"):
+        write_file(root, node, mode=0o666)
+    _write_pci_card(root, card=0, bus_id=BMC_VGA_BUS, vendor="0x1a03", numa_node=0)
+    write_file(root, "/dev/dri/card0", mode=0o666)
+    for numa in range(profile.node.numa_nodes):
+        write_file(root, f"{KFD_NODES}/{numa}/properties", _kfd_cpu_properties())
+    for dcu in dcus:
+        _write_pci_card(
+            root,
+            card=dcu.card,
+            bus_id=dcu.bus_id,
+            vendor=PCI_VENDOR,
+            numa_node=dcu.numa_node,
+            render_minor=dcu.render_minor,
+        )
+        write_file(root, f"/dev/dri/card{dcu.card}", mode=0o666)
+        write_file(root, f"/dev/dri/renderD{dcu.render_minor}", mode=0o666)
+        kfd_node = f"{KFD_NODES}/{profile.node.numa_nodes + dcu.index}"
+        write_file(root, f"{kfd_node}/properties", _kfd_gpu_properties(dcu, profile))
+        write_file(root, f"{kfd_node}/mem_banks/0/properties", _kfd_memory(dcu))
+    write_file(root, JSON_OUTPUT, hy_smi_json(spec.driver_version, dcus))
+    write_file(root, TABLE_OUTPUT, hy_smi_table(dcus))
+    write_file(root, TOOL, SCRIPT, mode=0o755)
+
+
+def _write_pci_card(
+    root: Path,
+    *,
+    card: int,
+    bus_id: str,
+    vendor: str,
+    numa_node: int,
+    render_minor: int | None = None,
+) -> None:
+    """A PCI device directory and `/sys/class/drm/card<N>/device` linking to it, as sysfs has."""
+    pci = f"/sys/bus/pci/devices/{bus_id}"
+    write_file(root, f"{pci}/vendor", vendor + "\n")
+    write_file(root, f"{pci}/numa_node", f"{numa_node}\n")
+    write_file(root, f"{pci}/uevent", f"PCI_SLOT_NAME={bus_id}\n")
+    (root / pci.lstrip("/") / "drm" / f"card{card}").mkdir(parents=True, exist_ok=True)
+    if render_minor is not None:
+        (root / pci.lstrip("/") / "drm" / f"renderD{render_minor}").mkdir(exist_ok=True)
+    card_dir = root / "sys/class/drm" / f"card{card}"
+    card_dir.mkdir(parents=True, exist_ok=True)
+    link = card_dir / "device"
+    if not link.is_symlink():
+        link.symlink_to(f"../../../bus/pci/devices/{bus_id}")  # relative: stays inside the root
+
+
+def _kfd_cpu_properties() -> str:
+    return "cpu_cores_count 32\nsimd_count 0\nlocation_id 0\ndomain 0\ndrm_render_minor 0\n"
+
+
+def _kfd_gpu_properties(dcu: SimDcu, profile: Profile) -> str:
+    domain, bus, rest = dcu.bus_id.split(":")
+    slot, function = rest.split(".")
+    unique = int(stable_uuid(profile.node.hostname, "hygon", dcu.index).replace("-", "")[:15], 16)
+    properties = {
+        "cpu_cores_count": 0,
+        "simd_count": dcu.compute_units * SIMD_PER_CU,
+        "simd_per_cu": SIMD_PER_CU,
+        "vendor_id": int(PCI_VENDOR, 16),
+        "location_id": int(bus, 16) << 8 | int(slot, 16) << 3 | int(function),
+        "domain": int(domain, 16),
+        "drm_render_minor": dcu.render_minor,
+        "unique_id": unique,
+    }
+    return "".join(f"{name} {value}\n" for name, value in properties.items())
+
+
+def _kfd_memory(dcu: SimDcu) -> str:
+    return f"heap_type 1\nsize_in_bytes {dcu.memory_mib * 1024 * 1024}\nflags 0\nwidth 4096\n"
+
+
+def hy_smi_json(driver_version: str, dcus: list[SimDcu]) -> str:
+    """hy-smi's rocm-smi-style JSON: `card<i>` objects of strings plus a `system` object."""
+    data: dict[str, dict[str, str]] = {
+        f"card{dcu.index}": {
+            "Card Series": dcu.product,
+            "vram Total Memory (MiB)": str(dcu.memory_mib),
+            "vram Total Used Memory (MiB)": "3",
+        }
+        for dcu in dcus
+    }
+    data["system"] = {"Driver version": driver_version}
+    return json.dumps(data, indent=2) + "\n"
+
+
+def hy_smi_table(dcus: list[SimDcu]) -> str:
+    """The default `hy-smi` summary (columns as Hygon's docs list them; layout designed)."""
+    rule = "=" * 86
+    head = f"{'DCU':<8}{'Temp':<10}{'AvgPwr':<11}{'Perf':<9}{'PwrCap':<11}"
+    head += f"{'VRAM%':<8}{'DCU%':<8}Mode"
+    rows = [
+        f"{dcu.index:<8}{f'{35 + dcu.index % 4}.0C':<10}{'60.0W':<11}{'auto':<9}"
+        f"{'400.0W':<11}{'0%':<8}{'0%':<8}Normal"
+        for dcu in dcus
+    ]
+    title = " System Management Interface ".center(86, "=")
+    end = " End of SMI Log ".center(86, "=")
+    return "\n".join([title, rule, head, *rows, rule, end]) + "\n"

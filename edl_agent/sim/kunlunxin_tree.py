@@ -1,0 +1,135 @@
+"""Kunlunxin XPUs of a simulated node: `/dev/xpu<N>`, PCI sysfs entries and an `xpu-smi` stand-in.
+
+The stand-in is a shell script that prints the recorded output kept next to it
+(`xpu-smi.q.txt` for `-q`, `xpu-smi.L.txt` for `-L`); rewrite those files to simulate faults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from edl_agent.sim.profile import KunlunxinSpec, Profile, numa_node_of, pci_bus_id, stable_uuid
+from edl_agent.sim.tree import VENDOR_SLOT, write_file
+
+TOOL = "/usr/local/bin/xpu-smi"
+QUERY_OUTPUT = TOOL + ".q.txt"
+LIST_OUTPUT = TOOL + ".L.txt"
+# PCI ids as the recorded P800 output shows them (`Device Id : 0x36862057`: device, vendor).
+PCI_VENDOR = "0x2057"
+PCI_DEVICE = "0x3686"
+
+SCRIPT = """#!/bin/sh
+# xpu-smi stand-in for a simulated node: prints the recorded output kept next to this script.
+here=$(dirname "$0")
+case "$*" in
+  -q) exec cat "$here/xpu-smi.q.txt" ;;
+  -L | "") exec cat "$here/xpu-smi.L.txt" ;;
+  *) echo "xpu-smi (simulated): unsupported arguments: $*" >&2; exit 2 ;;
+esac
+"""
+
+
+@dataclass(frozen=True)
+class SimXpu:
+    index: int
+    product: str
+    memory_mib: int
+    bus_id: str  # sysfs form
+    numa_node: int
+    serial_number: str
+    uuid: str
+
+
+def xpus_of(spec: KunlunxinSpec, profile: Profile) -> list[SimXpu]:
+    total = sum(group.count for group in spec.xpus)
+    flat = [group for group in spec.xpus for _ in range(group.count)]
+    xpus = []
+    for index, group in enumerate(flat):
+        uuid = stable_uuid(profile.node.hostname, "kunlunxin", index)
+        xpus.append(
+            SimXpu(
+                index=index,
+                product=group.product,
+                memory_mib=group.memory_mib,
+                bus_id=pci_bus_id(VENDOR_SLOT["kunlunxin"], index),
+                numa_node=numa_node_of(index, total, profile.node.numa_nodes),
+                serial_number="02K0" + uuid.replace("-", "")[:12].upper(),
+                uuid=f"GPU-{uuid}",
+            )
+        )
+    return xpus
+
+
+def write(spec: KunlunxinSpec, profile: Profile, root: Path) -> None:
+    xpus = xpus_of(spec, profile)
+    write_file(root, "/dev/xpuctrl", mode=0o666)
+    for xpu in xpus:
+        write_file(root, f"/dev/xpu{xpu.index}", mode=0o666)
+        sysfs = f"/sys/bus/pci/devices/{xpu.bus_id}"
+        write_file(root, f"{sysfs}/vendor", PCI_VENDOR + "\n")
+        write_file(root, f"{sysfs}/device", PCI_DEVICE + "\n")
+        write_file(root, f"{sysfs}/numa_node", f"{xpu.numa_node}\n")
+    write_file(root, QUERY_OUTPUT, xpu_smi_query(spec.driver_version, xpus))
+    write_file(root, LIST_OUTPUT, xpu_smi_list(xpus))
+    write_file(root, TOOL, SCRIPT, mode=0o755)
+
+
+def _smi_bus_id(bus_id: str) -> str:
+    """xpu-smi prints NVML-style addresses with an 8-digit domain."""
+    domain, rest = bus_id.split(":", 1)
+    return f"{int(domain, 16):08X}:{rest.upper()}"
+
+
+def xpu_smi_list(xpus: list[SimXpu]) -> str:
+    # `XPU <i>: <bus id>`, as public xpu-smi wrappers parse it (unverified against a real node).
+    return "".join(f"XPU {xpu.index}: {_smi_bus_id(xpu.bus_id)}\n" for xpu in xpus)
+
+
+def xpu_smi_query(driver_version: str, xpus: list[SimXpu]) -> str:
+    """`xpu-smi -q` laid out like a recorded P800 sample (the fields read here, plus a few)."""
+    lines = [
+        "==============XPUSMI LOG==============",
+        "",
+        _kv(0, "Timestamp", "Mon Jan  1 00:00:00 2024"),
+        _kv(0, "Driver Version", driver_version),
+        _kv(0, "XPU-RT Version", "10.2"),
+        "",
+        _kv(0, "Attached XPUs", str(len(xpus))),
+    ]
+    for xpu in xpus:
+        domain, bus, rest = _smi_bus_id(xpu.bus_id).split(":")
+        lines += [
+            f"XPU {_smi_bus_id(xpu.bus_id)}",
+            _kv(1, "Product Name", xpu.product),
+            _kv(1, "Product Brand", "KUNLUNXIN"),
+            _kv(1, "Product Architecture", "KL3"),
+            _kv(1, "Serial Number", xpu.serial_number),
+            _kv(1, "XPU UUID", xpu.uuid),
+            _kv(1, "Minor Number", str(xpu.index)),
+            "    PCI",
+            _kv(2, "Bus", f"0x{bus}"),
+            _kv(2, "Device", f"0x{rest.split('.')[0]}"),
+            _kv(2, "Function", f"0x{rest.split('.')[1]}"),
+            _kv(2, "Domain", f"0x{domain[-4:]}"),
+            _kv(2, "Device Id", f"{PCI_DEVICE}{PCI_VENDOR[2:]}"),
+            _kv(2, "Bus Id", _smi_bus_id(xpu.bus_id)),
+            "    Memory Usage",
+            _kv(2, "Total", f"{xpu.memory_mib} MiB"),
+            _kv(2, "Used", "0 MiB"),
+            _kv(2, "Free", f"{xpu.memory_mib} MiB"),
+            "    ECC Errors",
+            "        Volatile",
+            _kv(3, "DRAM Correctable", "0"),
+            _kv(3, "DRAM Uncorrectable", "0"),
+            "    Temperature",
+            _kv(2, "XPU Current Temp", f"{40 + xpu.index % 5} C"),
+            _kv(1, "Processes", "None"),
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _kv(level: int, key: str, value: str) -> str:
+    """A `Key : Value` line; xpu-smi aligns the colons at column 42."""
+    indent = "    " * level
+    return f"{indent}{key:<{42 - len(indent)}}: {value}"

@@ -1,0 +1,277 @@
+"""Vendor-tool output parsers (xpu-smi, hy-smi, npu-smi, KFD topology): text in, records out."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from edl_agent.devices.ascend import NpuSmiParseError, parse_npu_smi_info, parse_version_info
+from edl_agent.devices.hygon import HySmiParseError, parse_hy_smi_json, parse_kfd_properties
+from edl_agent.devices.kunlunxin import (
+    XpuSmiParseError,
+    XpuSmiReport,
+    normalize_bus_id,
+    parse_xpu_smi_query,
+)
+
+# --- Kunlunxin: xpu-smi -q --------------------------------------------------------------------
+
+XPU_SMI_Q = """\
+==============XPUSMI LOG==============
+
+Timestamp                                 : Tue Feb  3 18:20:01 2026
+Driver Version                            : 5.0.21.26
+XPU-RT Version                            : 10.2
+
+Attached XPUs                             : 2
+XPU 00000000:01:00.0
+    Product Name                          : P800 PCIe
+    Product Brand                         : KUNLUNXIN
+    Product Architecture                  : KL3
+    Serial Number                         : 02K0TEST0000001A
+    XPU UUID                              : GPU-00000000-0000-4000-8000-000000000001
+    Minor Number                          : 0
+    XPU Part Number                       : B00100300110112
+    Firmware Version
+        PBL Version                       : 1.0
+    PCI
+        Bus                               : 0x01
+        Domain                            : 0x0000
+        Bus Id                            : 00000000:01:00.0
+        XPU Link Info
+            PCIe Generation
+                Max                       : 4
+    Memory Usage
+        Total                             : 98304 MiB
+        Used                              : 0 MiB
+    L3 Usage
+        Total                             : 96 MiB
+    Processes                             : None
+XPU 00000000:9C:00.0
+    Product Name                          : P800 OAM
+    Minor Number                          : 5
+    PCI
+        Bus Id                            : 00000000:9C:00.0
+    Memory Usage
+        Total                             : 98304 MiB
+"""
+
+
+def test_xpu_smi_query_reads_header_and_blocks() -> None:
+    report = parse_xpu_smi_query(XPU_SMI_Q)
+    assert report.driver_version == "5.0.21.26"
+    assert report.runtime_version == "10.2"
+    first, second = report.xpus
+    assert first.product == "P800 PCIe"
+    assert first.bus_id == "0000:01:00.0"
+    assert first.memory_mib == 98304  # Memory Usage > Total, not L3 Usage > Total
+    assert first.minor == 0
+    assert first.serial_number == "02K0TEST0000001A"
+    assert first.uuid == "GPU-00000000-0000-4000-8000-000000000001"
+    assert first.part_number == "B00100300110112"
+    assert first.architecture == "KL3"
+    assert (second.bus_id, second.minor, second.serial_number) == ("0000:9c:00.0", 5, None)
+
+
+def test_xpu_smi_query_without_devices() -> None:
+    text = "Driver Version : 5.0.21.26\nAttached XPUs : 0\n"
+    assert parse_xpu_smi_query(text) == XpuSmiReport("5.0.21.26", None, ())
+
+
+def test_xpu_smi_query_bus_id_from_heading_when_pci_section_missing() -> None:
+    text = "Attached XPUs : 1\nXPU 00000000:21:00.0\n    Product Name : P800\n"
+    text += "    Memory Usage\n        Total : 1024 MiB\n"
+    (xpu,) = parse_xpu_smi_query(text).xpus
+    assert (xpu.bus_id, xpu.minor) == ("0000:21:00.0", None)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "no XPU blocks"),
+        ("garbage", "line 1: unexpected 'garbage'"),
+        ("\x00\x7f\x01 binary noise", "unexpected"),
+        ("error: driver not loaded : code 3\n", "no XPU blocks"),
+        (
+            XPU_SMI_Q.replace("Attached XPUs                             : 2", "Attached XPUs : 3"),
+            "but 2 XPU blocks",
+        ),
+        (XPU_SMI_Q.replace("P800 OAM", ""), "no Product Name"),
+        (XPU_SMI_Q.replace("98304 MiB", "96 GiB", 1), "Memory Usage > Total"),
+        (
+            XPU_SMI_Q.replace("00000000:9C:00.0\n    Memory", "9C:00.0\n    Memory"),
+            "bad PCI bus id '9C:00.0'",
+        ),
+        (
+            XPU_SMI_Q.replace("Minor Number                          : 5", "Minor Number : five"),
+            "Minor Number 'five'",
+        ),
+        (XPU_SMI_Q + "Segmentation fault\n", "unexpected 'Segmentation fault'"),
+    ],
+)
+def test_xpu_smi_query_rejects_garbled_output(text: str, message: str) -> None:
+    with pytest.raises(XpuSmiParseError, match=message.replace("(", r"\(")):
+        parse_xpu_smi_query(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("00000000:01:00.0", "0000:01:00.0"),
+        ("00000001:9C:00.0", "0001:9c:00.0"),
+        ("0000:C1:00.1", "0000:c1:00.1"),
+    ],
+)
+def test_normalize_bus_id(text: str, expected: str) -> None:
+    assert normalize_bus_id(text, where="test") == expected
+
+
+# --- Hygon: hy-smi --json, KFD topology ---------------------------------------------------------
+
+
+def hy_json(**cards: dict[str, str]) -> str:
+    return json.dumps({**cards, "system": {"Driver version": "6.3.8"}})
+
+
+def test_hy_smi_json_reads_cards_in_index_order() -> None:
+    text = hy_json(
+        card1={"Card Series": "K100_AI", "vram Total Memory (MiB)": "65520"},
+        card0={
+            "Card Series": "K100_AI",
+            "vram Total Memory (MiB)": "65520",
+            "PCI Bus": "0000:1A:00.0",
+        },
+    )
+    report = parse_hy_smi_json(text)
+    assert report.driver_version == "6.3.8"
+    assert [(d.index, d.product, d.memory_mib, d.bus_id) for d in report.dcus] == [
+        (0, "K100_AI", 65520, "0000:1a:00.0"),
+        (1, "K100_AI", 65520, None),
+    ]
+
+
+def test_hy_smi_json_accepts_rocm_smi_spellings() -> None:
+    text = json.dumps({"card0": {"Card series": "Z100L", "VRAM Total Memory (B)": "34342961152"}})
+    (dcu,) = parse_hy_smi_json(text).dcus
+    assert (dcu.product, dcu.memory_mib) == ("Z100L", 32752)
+    assert parse_hy_smi_json(text).driver_version is None
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "not JSON"),
+        ("HCU[0]\t\t: Card Series: K100_AI\n", "not JSON"),
+        ("[1, 2]", "expected a JSON object, got list"),
+        ('{"system": {"Driver version": "6.3.8"}}', "no card<N> entries"),
+        ('{"card0": "K100_AI"}', "card0: expected an object"),
+        ('{"card0": {"vram Total Memory (MiB)": "1"}}', "card0: no Card Series"),
+        ('{"card0": {"Card Series": "K100", "vram Total Memory (MiB)": "N/A"}}', "numeric vram"),
+        (
+            '{"card0": {"Card Series": "K100", "VRAM Total Memory (B)": "1", "PCI Bus": "x"}}',
+            "bad PCI Bus 'x'",
+        ),
+    ],
+)
+def test_hy_smi_json_rejects_garbled_output(text: str, message: str) -> None:
+    with pytest.raises(HySmiParseError, match=message):
+        parse_hy_smi_json(text)
+
+
+def test_kfd_properties_keeps_integer_pairs() -> None:
+    text = "cpu_cores_count 0\nsimd_count 480\nmarketing_name K100\nlocation_id 6144\n\ndomain 2\n"
+    assert parse_kfd_properties(text) == {
+        "cpu_cores_count": 0,
+        "simd_count": 480,
+        "location_id": 6144,
+        "domain": 2,
+    }
+
+
+# --- Ascend: npu-smi info ---------------------------------------------------------------------
+
+BORDER = "+---------------------------+---------------+" + "-" * 52 + "+"
+DOUBLE = "+===========================+===============+" + "=" * 52 + "+"
+NPU_SMI_910B = f"""\
++{"-" * 96}+
+| npu-smi 25.3.rc1                 Version: 25.3.rc1                                             |
+{BORDER}
+| NPU   Name                | Health        | Power(W)    Temp(C)           Hugepages-Usage(page)|
+| Chip                      | Bus-Id        | AICore(%)   Memory-Usage(MB)  HBM-Usage(MB)        |
+{DOUBLE}
+| 0     910B3               | OK            | 96.2        39                0    / 0             |
+| 0                         | 0000:C1:00.0  | 0           0    / 0          58626/ 65536         |
+{DOUBLE}
+| 1     910B3               | Warning       | 91.1        50                0    / 0             |
+| 0                         | 0000:C2:00.0  | 0           0    / 0          3436 / 65536         |
+{DOUBLE}
+{BORDER}
+| NPU     Chip              | Process id    | Process name             | Process memory(MB)      |
+{DOUBLE}
+| 0       0                 | 2698909       |                          | 600                     |
+{DOUBLE}
+| No running processes found in NPU 1                                                            |
+{DOUBLE}
+"""
+
+# Multi-chip card layout (two chips per NPU, `Chip Device` header): designed, not recorded.
+NPU_SMI_310P = f"""\
+| npu-smi 23.0.0                   Version: 23.0.0                                               |
+{BORDER}
+| NPU   Name                | Health        | Power(W)    Temp(C)           Hugepages-Usage(page)|
+| Chip  Device              | Bus-Id        | AICore(%)   Memory-Usage(MB)                        |
+{DOUBLE}
+| 4     310P3               | Alarm         | 60.0        45                0    / 0             |
+| 0     2                   | 0000:81:00.0  | 0           1520 / 44280                           |
+| 1     3                   | 0000:81:00.0  | 0           1318 / 43693                           |
+{DOUBLE}
+"""
+
+
+def test_npu_smi_info_reads_npu_and_chip_rows() -> None:
+    info = parse_npu_smi_info(NPU_SMI_910B)
+    assert info.version == "25.3.rc1"
+    assert [(n.npu_id, n.chip_id, n.index) for n in info.npus] == [(0, 0, 0), (1, 0, 1)]
+    assert [(n.name, n.health, n.bus_id, n.memory_mib) for n in info.npus] == [
+        ("910B3", "OK", "0000:c1:00.0", 65536),
+        ("910B3", "Warning", "0000:c2:00.0", 65536),
+    ]
+
+
+def test_npu_smi_info_multi_chip_card_takes_device_column_as_index() -> None:
+    info = parse_npu_smi_info(NPU_SMI_310P)
+    assert [(n.npu_id, n.chip_id, n.index, n.health) for n in info.npus] == [
+        (4, 0, 2, "Alarm"),
+        (4, 1, 3, "Alarm"),
+    ]
+    assert [n.memory_mib for n in info.npus] == [44280, 43693]  # no HBM column: Memory-Usage
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "no `NPU Name | Health`"),
+        ("dcmi module initialize failed. ret is -8005\n", "table header"),
+        (NPU_SMI_910B.split(DOUBLE, maxsplit=1)[0] + DOUBLE + "\n", "no NPU rows"),
+        (NPU_SMI_910B.replace("| 0     910B3 ", "| zero  910B3 "), "line 7: expected `<npu id>"),
+        (NPU_SMI_910B.replace("0000:C1:00.0", "C1:00.0     "), "line 8: expected `<chip>"),
+        (NPU_SMI_910B.replace("58626/ 65536", "58626 65536 "), "line 8"),
+        ("\x00\x01\x02", "table header"),
+    ],
+)
+def test_npu_smi_info_rejects_garbled_output(text: str, message: str) -> None:
+    with pytest.raises(NpuSmiParseError, match=message.replace("|", r"\|")):
+        parse_npu_smi_info(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("Version=24.1.rc2\nascendhal_version=7.35.19\n", "24.1.rc2"),
+        ("package_version=x\n", None),
+        ("", None),
+    ],
+)
+def test_driver_version_info(text: str, expected: str | None) -> None:
+    assert parse_version_info(text) == expected
