@@ -1,0 +1,610 @@
+"""A throwaway Kubernetes control plane for tests: etcd + kube-apiserver + kwok.
+
+Everything listens on free 127.0.0.1 ports and lives in one state directory:
+
+    DIR/kubeconfig       admin credentials (static token in group system:masters)
+    DIR/state.json       pids and ports of what ``start`` launched (read by ``stop``)
+    DIR/pki/             CA, serving certificate, service-account signing keys, token file
+    DIR/etcd-data/       etcd's data
+    DIR/logs/*.log       one log per process
+    DIR/kwok-home/       HOME for kwok, so it never reads ~/.kwok
+
+``start(DIR)`` returns once ``/readyz`` answers; ``stop(DIR)`` ends the processes and removes
+what ``start`` created. Attached mode (the pytest fixtures) ties the processes to the
+calling process: their own process group, PR_SET_PDEATHSIG=SIGKILL and an atexit hook, so
+they die with it even if it crashes. Detached mode (``scripts/test-cluster up``) leaves them
+running for a later ``scripts/test-cluster down DIR``.
+
+Standard library only (plus the openssl CLI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import base64
+import contextlib
+import ctypes
+import http.client
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import k8sbinaries
+
+ADMIN_USER = "edl-test-admin"
+SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
+# Allocation range for ClusterIPs only: nothing is ever sent there.
+SERVICE_CIDR = "10.0.0.0/24"
+# kwok writes these into node and pod status; loopback so nothing non-local is ever dialled.
+KWOK_NODE_IP = "127.0.0.1"
+KWOK_POD_CIDR = "127.10.0.0/16"
+KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
+KWOK_NODE_ANNOTATION_VALUE = "fake"
+LOOPBACK = "127.0.0.1"
+
+# Stop order: clients first, etcd last.
+PROCESS_ORDER = ("etcd", "kube-apiserver", "kwok")
+CREATED = ("kubeconfig", "state.json", "pki", "etcd-data", "logs", "kwok-home")
+
+PR_SET_PDEATHSIG = 1
+PORT_ATTEMPTS = 3
+
+
+class ControlPlaneError(RuntimeError):
+    """The control plane could not be started or stopped; the message says why."""
+
+
+@dataclass
+class ControlPlane:
+    directory: Path
+    server: str
+    token: str
+    ca_file: Path
+    kubeconfig: Path
+    pids: dict[str, int]
+    startup_seconds: float
+    attached: bool
+    _procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict, repr=False)
+
+    def stop(self, timeout: float = 15.0) -> list[int]:
+        return stop(self.directory, timeout=timeout)
+
+
+# Control planes started in attached mode by this process, stopped at exit.
+_ATTACHED: dict[Path, ControlPlane] = {}
+
+
+def _stop_all_attached() -> None:
+    for directory in list(_ATTACHED):
+        with contextlib.suppress(Exception):
+            stop(directory)
+
+
+atexit.register(_stop_all_attached)
+
+
+# --- small helpers ------------------------------------------------------------------------
+
+
+def _log(message: str) -> None:
+    print(f"test-cluster: {message}", file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((LOOPBACK, 0))
+        return int(sock.getsockname()[1])
+
+
+def _start_time(pid: int) -> str | None:
+    """Kernel start time of ``pid`` (to tell a reused pid apart), None if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    if fields[0] == "Z":  # exited, waiting to be reaped: no longer running
+        return None
+    return fields[19]
+
+
+def pid_alive(pid: int, start_time: str | None = None) -> bool:
+    current = _start_time(pid)
+    return current is not None and (start_time is None or current == start_time)
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "    (no log)"
+    return "\n".join(f"    {line}" for line in text[-lines:])
+
+
+def _binary(name: str) -> Path:
+    path = k8sbinaries.find(name)
+    if path is None:
+        raise ControlPlaneError(
+            f"{name} is not available (looked in {k8sbinaries.bin_dir()} and "
+            "$KUBEBUILDER_ASSETS): run scripts/k8s-binaries first (the first build takes "
+            "about 8 minutes on 2 cores)"
+        )
+    return path
+
+
+def _stages() -> Path:
+    path = k8sbinaries.stages_file()
+    if path is None:
+        raise ControlPlaneError(
+            f"kwok stage file {k8sbinaries.STAGES_FILE} is missing from "
+            f"{k8sbinaries.bin_dir()}: run scripts/k8s-binaries first"
+        )
+    return path
+
+
+# --- certificates and credentials ---------------------------------------------------------
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        raise ControlPlaneError("the openssl CLI is needed to make the test certificates")
+    result = subprocess.run([openssl, *args], cwd=cwd, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise ControlPlaneError(f"openssl {' '.join(args)} failed: {result.stderr.strip()}")
+
+
+def _make_pki(pki: Path) -> str:
+    """CA, serving certificate, service-account key pair and the admin token file."""
+    pki.mkdir(mode=0o700)
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _openssl(
+        "req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "3650",
+        "-subj", "/CN=edl-test-ca",
+        "-addext", "basicConstraints=critical,CA:TRUE",
+        "-addext", "keyUsage=critical,keyCertSign,cRLSign",
+        cwd=pki,
+    )  # fmt: skip
+    _openssl(
+        "req", "-new", *ec, "-keyout", "serving.key", "-out", "serving.csr",
+        "-subj", "/CN=kube-apiserver",
+        cwd=pki,
+    )  # fmt: skip
+    (pki / "serving.ext").write_text(
+        f"subjectAltName=IP:{LOOPBACK},DNS:localhost\n"
+        "extendedKeyUsage=serverAuth\n"
+        "keyUsage=critical,digitalSignature,keyEncipherment\n"
+    )
+    _openssl(
+        "x509", "-req", "-in", "serving.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+        "-CAcreateserial", "-out", "serving.crt", "-days", "365", "-extfile", "serving.ext",
+        cwd=pki,
+    )  # fmt: skip
+    _openssl(
+        "genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256",
+        "-out", "sa.key",
+        cwd=pki,
+    )  # fmt: skip
+    _openssl("pkey", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=pki)
+    token = secrets.token_urlsafe(32)
+    tokens = pki / "tokens.csv"
+    tokens.write_text(f'{token},{ADMIN_USER},{ADMIN_USER},"system:masters"\n')
+    tokens.chmod(0o600)
+    return token
+
+
+def _write_kubeconfig(path: Path, server: str, ca_file: Path, token: str) -> None:
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {
+                "name": "edl-test",
+                "cluster": {
+                    "server": server,
+                    "certificate-authority-data": base64.b64encode(ca_file.read_bytes()).decode(),
+                },
+            }
+        ],
+        "users": [{"name": ADMIN_USER, "user": {"token": token}}],
+        "contexts": [{"name": "edl-test", "context": {"cluster": "edl-test", "user": ADMIN_USER}}],
+        "current-context": "edl-test",
+    }
+    # JSON is valid YAML; kubectl and the Python client read it as a kubeconfig.
+    path.write_text(json.dumps(config, indent=2) + "\n")
+    path.chmod(0o600)
+
+
+# --- processes ----------------------------------------------------------------------------
+
+_ETCD_FLAGS: dict[Path, str] = {}
+
+
+def _etcd_supports(etcd: Path, flag: str) -> bool:
+    if etcd not in _ETCD_FLAGS:
+        result = subprocess.run([etcd, "--help"], capture_output=True, text=True, check=False)
+        _ETCD_FLAGS[etcd] = result.stdout + result.stderr
+    return flag in _ETCD_FLAGS[etcd]
+
+
+def _etcd_argv(etcd: Path, directory: Path, client: int, peer: int) -> list[str]:
+    client_url = f"http://{LOOPBACK}:{client}"
+    peer_url = f"http://{LOOPBACK}:{peer}"
+    argv = [
+        str(etcd),
+        "--name=edl-test",
+        f"--data-dir={directory / 'etcd-data'}",
+        f"--listen-client-urls={client_url}",
+        f"--advertise-client-urls={client_url}",
+        f"--listen-peer-urls={peer_url}",
+        f"--initial-advertise-peer-urls={peer_url}",
+        f"--initial-cluster=edl-test={peer_url}",
+        "--initial-cluster-state=new",
+        "--log-level=warn",
+    ]
+    if _etcd_supports(etcd, "--unsafe-no-fsync"):
+        argv.append("--unsafe-no-fsync")  # test data is throwaway; fsync only costs time
+    return argv
+
+
+def _apiserver_argv(apiserver: Path, directory: Path, etcd_port: int, port: int) -> list[str]:
+    pki = directory / "pki"
+    return [
+        str(apiserver),
+        f"--etcd-servers=http://{LOOPBACK}:{etcd_port}",
+        f"--bind-address={LOOPBACK}",
+        f"--advertise-address={LOOPBACK}",
+        f"--secure-port={port}",
+        f"--cert-dir={pki}",
+        f"--tls-cert-file={pki / 'serving.crt'}",
+        f"--tls-private-key-file={pki / 'serving.key'}",
+        f"--client-ca-file={pki / 'ca.crt'}",
+        f"--token-auth-file={pki / 'tokens.csv'}",
+        "--authorization-mode=Node,RBAC",
+        f"--service-account-issuer={SA_ISSUER}",
+        f"--service-account-key-file={pki / 'sa.pub'}",
+        f"--service-account-signing-key-file={pki / 'sa.key'}",
+        f"--service-cluster-ip-range={SERVICE_CIDR}",
+        # No controller-manager runs, so nothing would create the default ServiceAccounts
+        # that the ServiceAccount admission plugin insists on.
+        "--disable-admission-plugins=ServiceAccount",
+        "--endpoint-reconciler-type=none",
+        # Only ever dial kwok's (loopback) node address, never resolve node names.
+        "--kubelet-preferred-address-types=InternalIP",
+        "--allow-privileged=true",
+        "--profiling=false",
+        "--v=1",
+    ]
+
+
+def _kwok_argv(kwok: Path, directory: Path) -> list[str]:
+    return [
+        str(kwok),
+        f"--kubeconfig={directory / 'kubeconfig'}",
+        f"--config={_stages()}",
+        "--manage-nodes-with-annotation-selector="
+        f"{KWOK_NODE_ANNOTATION}={KWOK_NODE_ANNOTATION_VALUE}",
+        f"--node-ip={KWOK_NODE_IP}",
+        f"--cidr={KWOK_POD_CIDR}",
+    ]
+
+
+_libc: ctypes.CDLL | None = None
+
+
+def _die_with_parent() -> Callable[[], None]:
+    """A preexec_fn: SIGKILL the child when the process that started it dies."""
+    global _libc  # noqa: PLW0603 (loaded once, before any fork)
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    libc = _libc
+    parent = os.getpid()
+
+    def preexec() -> None:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
+
+
+def _spawn(
+    name: str, argv: list[str], directory: Path, *, attached: bool, env: dict[str, str]
+) -> subprocess.Popen[bytes]:
+    logfile = directory / "logs" / f"{name}.log"
+    with logfile.open("ab") as out:
+        return subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=directory,
+            env=env,
+            start_new_session=True,  # own process group: stop() signals the whole group
+            preexec_fn=_die_with_parent() if attached else None,  # noqa: PLW1509
+        )
+
+
+def _https_get(port: int, path: str, ca_file: Path, token: str) -> int:
+    context = ssl.create_default_context(cafile=str(ca_file))
+    conn = http.client.HTTPSConnection(LOOPBACK, port, context=context, timeout=2)
+    try:
+        conn.request("GET", path, headers={"Authorization": f"Bearer {token}"})
+        response = conn.getresponse()
+        response.read()
+        return response.status
+    finally:
+        conn.close()
+
+
+# --- start / stop -------------------------------------------------------------------------
+
+
+def _read_state(directory: Path) -> dict[str, object] | None:
+    try:
+        state = json.loads((directory / "state.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return state if isinstance(state, dict) else None
+
+
+def _state_pids(state: dict[str, object]) -> dict[str, tuple[int, str | None]]:
+    raw = state.get("processes", {})
+    pids: dict[str, tuple[int, str | None]] = {}
+    if isinstance(raw, dict):
+        for name, entry in raw.items():
+            if isinstance(entry, dict) and isinstance(entry.get("pid"), int):
+                pids[name] = (entry["pid"], entry.get("start_time"))
+    return pids
+
+
+def start(directory: Path, *, attached: bool = True, timeout: float = 60.0) -> ControlPlane:
+    """Start etcd, kube-apiserver and kwok with their state in ``directory``.
+
+    ``attached=True`` ties the processes to the calling thread's process (PR_SET_PDEATHSIG) and
+    to its exit (atexit); call it from the main thread. ``attached=False`` leaves them running
+    until ``stop(directory)``.
+    """
+    began = time.monotonic()
+    directory = directory.resolve()
+    binaries = {name: _binary(name) for name in k8sbinaries.BINARIES}
+    _stages()
+    state = _read_state(directory)
+    if state is not None:
+        if any(pid_alive(pid, st) for pid, st in _state_pids(state).values()):
+            raise ControlPlaneError(f"a control plane already runs in {directory}; stop it first")
+        _remove_state(directory, state)
+    created_dir = not directory.exists()
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        try:
+            plane = _start_once(
+                directory, binaries, attached=attached, timeout=timeout, created_dir=created_dir
+            )
+        except _PortTaken:
+            if attempt == PORT_ATTEMPTS:
+                raise
+            continue
+        plane.startup_seconds = time.monotonic() - began
+        return plane
+    raise AssertionError("unreachable")
+
+
+class _PortTaken(ControlPlaneError):
+    """A process found its (just probed) free port taken; start again with new ports."""
+
+
+def _start_once(
+    directory: Path,
+    binaries: dict[str, Path],
+    *,
+    attached: bool,
+    timeout: float,
+    created_dir: bool,
+) -> ControlPlane:
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in CREATED:
+        if (directory / name).exists():
+            raise ControlPlaneError(f"{directory / name} exists; use a fresh directory")
+    etcd_port, peer_port, api_port = free_port(), free_port(), free_port()
+    server = f"https://{LOOPBACK}:{api_port}"
+    kubeconfig = directory / "kubeconfig"
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    processes: dict[str, object] = {}
+    state = {
+        "server": server,
+        "kubeconfig": str(kubeconfig),
+        "attached": attached,
+        "owner_pid": os.getpid(),
+        "created_dir": created_dir,
+        "ports": {"etcd": etcd_port, "etcd-peer": peer_port, "kube-apiserver": api_port},
+        "processes": processes,
+    }
+    # Written first, so that stop() can clean up whatever happens next.
+    (directory / "state.json").write_text(json.dumps(state, indent=2) + "\n")
+    plane = ControlPlane(
+        directory=directory,
+        server=server,
+        token="",
+        ca_file=directory / "pki" / "ca.crt",
+        kubeconfig=kubeconfig,
+        pids={},
+        startup_seconds=0.0,
+        attached=attached,
+        _procs=procs,
+    )
+    if attached:
+        _ATTACHED[directory] = plane
+    try:
+        (directory / "logs").mkdir()
+        (directory / "kwok-home").mkdir()
+        plane.token = _make_pki(directory / "pki")
+        _write_kubeconfig(kubeconfig, server, plane.ca_file, plane.token)
+        env = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "HOME": str(directory / "kwok-home"),
+        }
+        argvs = {
+            "etcd": _etcd_argv(binaries["etcd"], directory, etcd_port, peer_port),
+            "kube-apiserver": _apiserver_argv(
+                binaries["kube-apiserver"], directory, etcd_port, api_port
+            ),
+            "kwok": _kwok_argv(binaries["kwok"], directory),
+        }
+        # All three at once: kube-apiserver retries etcd, kwok waits for the API itself.
+        for name in PROCESS_ORDER:
+            proc = _spawn(name, argvs[name], directory, attached=attached, env=env)
+            procs[name] = proc
+            plane.pids[name] = proc.pid
+            processes[name] = {
+                "pid": proc.pid,
+                "start_time": _start_time(proc.pid),
+                "argv": argvs[name],
+                "log": str(directory / "logs" / f"{name}.log"),
+            }
+            (directory / "state.json").write_text(json.dumps(state, indent=2) + "\n")
+        _wait_ready(
+            port=api_port,
+            ca_file=plane.ca_file,
+            token=plane.token,
+            procs=procs,
+            directory=directory,
+            timeout=timeout,
+        )
+    except BaseException:
+        stop(directory, timeout=1.0)  # a half-started control plane needs no graceful exit
+        raise
+    return plane
+
+
+def _wait_ready(
+    *,
+    port: int,
+    ca_file: Path,
+    token: str,
+    procs: dict[str, subprocess.Popen[bytes]],
+    directory: Path,
+    timeout: float,
+) -> None:
+    deadline = time.monotonic() + timeout
+    last = "no answer yet"
+    while time.monotonic() < deadline:
+        for name, proc in procs.items():
+            if proc.poll() is not None:
+                log = directory / "logs" / f"{name}.log"
+                error = _PortTaken if "address already in use" in _tail(log) else ControlPlaneError
+                raise error(
+                    f"{name} exited with status {proc.returncode} during startup; "
+                    f"last lines of {log}:\n{_tail(log)}"
+                )
+        try:
+            status = _https_get(port, "/readyz", ca_file, token)
+        except (OSError, http.client.HTTPException) as exc:
+            last = f"{type(exc).__name__}: {exc}"
+        else:
+            if status == http.client.OK:
+                return
+            last = f"/readyz answered HTTP {status}"
+        time.sleep(0.1)
+    log = directory / "logs" / "kube-apiserver.log"
+    raise ControlPlaneError(
+        f"kube-apiserver not ready after {timeout:.0f}s ({last}); last lines of {log}:\n"
+        f"{_tail(log)}"
+    )
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)  # the process leads its own group (start_new_session)
+
+
+def stop(directory: Path, *, timeout: float = 15.0) -> list[int]:
+    """Stop what ``start`` launched in ``directory`` and remove its state; the stopped pids."""
+    directory = directory.resolve()
+    plane = _ATTACHED.pop(directory, None)
+    state = _read_state(directory)
+    if state is None:
+        return []
+    pids = _state_pids(state)
+    running = {name: pid for name, (pid, st) in pids.items() if pid_alive(pid, st)}
+    for name in reversed(PROCESS_ORDER):
+        if name in running:
+            _signal_group(running[name], signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for name in reversed(PROCESS_ORDER):
+        if name not in running:
+            continue
+        pid, start_time = pids[name]
+        proc = plane._procs.get(name) if plane is not None else None
+        while pid_alive(pid, start_time) and time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        if pid_alive(pid, start_time):
+            _signal_group(pid, signal.SIGKILL)
+    if plane is not None:
+        for proc in plane._procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)  # reap our own children so no zombie is left
+    kill_deadline = time.monotonic() + 5
+    while any(pid_alive(pid, st) for pid, st in pids.values()) and time.monotonic() < kill_deadline:
+        time.sleep(0.05)
+    left = [pid for pid, st in pids.values() if pid_alive(pid, st)]
+    if left:
+        raise ControlPlaneError(f"processes {left} from {directory} did not exit")
+    _remove_state(directory, state)
+    return [pid for _, (pid, _) in sorted(pids.items())]
+
+
+def _remove_state(directory: Path, state: dict[str, object]) -> None:
+    for name in CREATED:
+        path = directory / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    if state.get("created_dir"):
+        with contextlib.suppress(OSError):
+            directory.rmdir()  # only if nothing else was put there
+
+
+# --- CLI ----------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="scripts/test-cluster",
+        description=(
+            "Start or stop a local etcd + kube-apiserver + kwok control plane on 127.0.0.1 "
+            "(binaries from scripts/k8s-binaries). `up DIR` returns once the API is ready "
+            "and writes DIR/kubeconfig; `down DIR` stops the processes and removes the state."
+        ),
+    )
+    parser.add_argument("action", choices=["up", "down"])
+    parser.add_argument("directory", type=Path)
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for /readyz")
+    args = parser.parse_args(argv)
+    try:
+        if args.action == "up":
+            plane = start(args.directory, attached=False, timeout=args.timeout)
+            pids = ", ".join(f"{name} {pid}" for name, pid in plane.pids.items())
+            _log(f"ready in {plane.startup_seconds:.1f}s at {plane.server} (pids: {pids})")
+            _log(f"export KUBECONFIG={plane.kubeconfig}")
+            print(plane.kubeconfig)
+        else:
+            stopped = stop(args.directory)
+            _log(f"stopped pids {stopped}" if stopped else "nothing was running")
+    except ControlPlaneError as exc:
+        _log(f"ERROR: {exc}")
+        return 1
+    return 0

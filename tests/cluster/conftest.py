@@ -1,0 +1,107 @@
+"""Fixtures for tests that need a real control plane: etcd + kube-apiserver + kwok.
+
+Tests under tests/cluster/ are marked ``cluster`` automatically; deselect them with
+``pytest -m "not cluster"``. The binaries come from ``scripts/k8s-binaries`` (built once into
+``.cache/k8s/``); when they are missing these tests fail and say so, they never skip.
+
+Fixtures:
+  k8s_binaries       session: the bin dir (fails with instructions when binaries are missing)
+  k8s_control_plane  session: the running control plane (testcluster.ControlPlane)
+  k8s_api_client     session: kubernetes.client.ApiClient with admin credentials
+  k8s                function: KwokCluster helper bound to a fresh namespace, cleaned after
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kubernetes import client
+
+HERE = Path(__file__).resolve().parent
+SCRIPTS = HERE.parent.parent / "scripts"
+# scripts/ holds the control-plane code shared with scripts/test-cluster; HERE the helpers
+# (explicit, so that --import-mode=importlib works too).
+for _path in (SCRIPTS, HERE):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+import k8sbinaries  # noqa: E402
+import testcluster  # noqa: E402
+from k8s_test_helpers import KwokCluster  # noqa: E402
+
+_startup: dict[str, float] = {}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.is_relative_to(HERE):
+            item.add_marker(pytest.mark.cluster)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if "seconds" in _startup:
+        terminalreporter.write_line(
+            f"k8s control plane: ready {_startup['seconds']:.1f}s after start "
+            f"(etcd + kube-apiserver + kwok from {k8sbinaries.bin_dir()})"
+        )
+
+
+@pytest.fixture(scope="session")
+def k8s_binaries() -> Path:
+    """The bin dir; fails (never skips) with instructions when binaries are missing."""
+    absent = k8sbinaries.missing()
+    if absent:
+        pytest.fail(
+            f"cluster tests need {', '.join(absent)} in {k8sbinaries.bin_dir()} (or etcd and "
+            "kube-apiserver in $KUBEBUILDER_ASSETS). Run `scripts/k8s-binaries` once (the "
+            "first build takes about 8 minutes on 2 cores), or deselect these tests with "
+            "-m 'not cluster'.",
+            pytrace=False,
+        )
+    return k8sbinaries.bin_dir()
+
+
+@pytest.fixture(scope="session")
+def k8s_control_plane(
+    k8s_binaries: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[testcluster.ControlPlane]:
+    directory = tmp_path_factory.mktemp("k8s-control-plane")
+    try:
+        plane = testcluster.start(directory, attached=True)
+    except testcluster.ControlPlaneError as exc:
+        pytest.fail(f"could not start the test control plane: {exc}", pytrace=False)
+    _startup["seconds"] = plane.startup_seconds
+    yield plane
+    pids = plane.stop()
+    left = [pid for pid in pids if testcluster.pid_alive(pid)]
+    assert not left, f"control-plane processes {left} survived the session teardown"
+
+
+@pytest.fixture(scope="session")
+def k8s_api_client(k8s_control_plane: testcluster.ControlPlane) -> Iterator[client.ApiClient]:
+    config = client.Configuration()
+    config.host = k8s_control_plane.server
+    config.ssl_ca_cert = str(k8s_control_plane.ca_file)
+    config.api_key = {"authorization": k8s_control_plane.token}
+    config.api_key_prefix = {"authorization": "Bearer"}
+    api = client.ApiClient(config)
+    yield api
+    api.close()
+
+
+@pytest.fixture
+def k8s(k8s_api_client: client.ApiClient, request: pytest.FixtureRequest) -> Iterator[KwokCluster]:
+    slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
+    namespace = f"t-{slug}-{secrets.token_hex(2)}"
+    client.CoreV1Api(k8s_api_client).create_namespace(
+        client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace))
+    )
+    cluster = KwokCluster(k8s_api_client, namespace)
+    yield cluster
+    cluster.cleanup()
