@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
@@ -27,6 +28,7 @@ from edl_agent.devices.model import Inventory
 from edl_agent.sim.profile import ProfileError, load_profile, profile_names
 
 EXIT_USAGE = 2
+KUBELET_DIR = "/var/lib/kubelet/device-plugins"
 
 DESCRIPTION = """\
 edl-agent discovers the accelerators of a Kubernetes node (NVIDIA GPUs with MIG, Kunlunxin XPUs,
@@ -88,6 +90,30 @@ def build_parser() -> argparse.ArgumentParser:
         '{"node", "devices": [...], "resources": [{"name", "devices": [ids]}]}',
     )
     discover.set_defaults(handler=_discover)
+
+    run = commands.add_parser(
+        "run",
+        parents=[node],
+        help="run the node agent: serve kubelet's device-plugin API for every resource",
+        description="Discover the node, then serve the kubelet device-plugin API (v1beta1) for "
+        "every advertised resource, one unix socket per resource in --kubelet-dir, and register "
+        "each with kubelet.sock there. Kubelet restarts are followed (sockets re-served and "
+        "registered again within a second); devices whose /dev nodes vanish turn Unhealthy; "
+        "the inventory is re-discovered periodically. SIGTERM or Ctrl-C stops the servers, "
+        "removes our sockets and exits 0. With --simulate and no kubelet dir configured, the "
+        "simulated node's own var/lib/kubelet/device-plugins is used.",
+        epilog=SETTINGS_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    run.add_argument(
+        "--kubelet-dir",
+        metavar="DIR",
+        help="kubelet's device-plugin directory (default /var/lib/kubelet/device-plugins)",
+    )
+    run.add_argument(
+        "--metrics-addr", metavar="HOST:PORT", help="address for /metrics (default :9400)"
+    )
+    run.set_defaults(handler=_run)
 
     config = commands.add_parser(
         "config",
@@ -159,10 +185,12 @@ def settings_from_args(
     for text in args.assignments:
         path, value = assignment(text)
         set_path(overrides, path, value)
-    for flag in ("host_root", "node_name", "log_level", "log_format"):
+    for flag in ("host_root", "node_name", "log_level", "log_format", "metrics_addr"):
         value = getattr(args, flag, None)
         if value is not None:
             overrides[flag] = value
+    if getattr(args, "kubelet_dir", None) is not None:
+        set_path(overrides, ["plugin", "kubelet_dir"], args.kubelet_dir)
     if host_root is not None:
         overrides["host_root"] = host_root
     settings = load_settings(
@@ -185,7 +213,11 @@ def node_settings(args: argparse.Namespace) -> Iterator[Settings]:
         return
     profile = load_profile(args.simulate)
     with tempfile.TemporaryDirectory(prefix=f"edl-sim-{profile.name}-") as tmp:
-        settings = settings_from_args(args, defaults=profile.config, host_root=tmp)
+        # A simulated host has its own kubelet directory unless one is configured.
+        defaults = {**profile.config}
+        plugin_defaults = {"kubelet_dir": f"{tmp}{KUBELET_DIR}", **defaults.get("plugin", {})}
+        defaults["plugin"] = plugin_defaults
+        settings = settings_from_args(args, defaults=defaults, host_root=tmp)
         structlog.get_logger().info("building simulated node", profile=profile.name, root=tmp)
         _build_tree(profile.name, Path(tmp))
         yield settings
@@ -223,6 +255,19 @@ def _discover(args: argparse.Namespace) -> int:
         print(json.dumps(inventory.to_json(), indent=2))
     else:
         print(render_table(inventory))
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    from edl_agent.agent import Agent
+
+    with node_settings(args) as settings:
+        agent = Agent(settings)
+        print(render_table(agent.state.snapshot().inventory), flush=True)
+        stop = agent.stop
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: stop.set())
+        agent.run()
     return 0
 
 

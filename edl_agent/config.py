@@ -118,6 +118,32 @@ class SharingRule:
 
 
 @dataclass(frozen=True)
+class PluginSettings:
+    kubelet_dir: str = "/var/lib/kubelet/device-plugins"
+    """Where kubelet.sock lives and where our per-resource plugin sockets are created."""
+    nvidia_device_id_strategy: Literal["uuid", "index"] = "uuid"
+    """How NVIDIA_VISIBLE_DEVICES names GPUs: by uuid, or by index (`0`, MIG `0:1`)."""
+    nvidia_device_specs: bool = False
+    """Also pass /dev/nvidia* nodes as DeviceSpecs (for runtimes without the NVIDIA hook)."""
+    nvidia_cdi: bool = False
+    """Also name CDI devices `nvidia.com/gpu=<id>` in Allocate responses."""
+    slice_placement: Literal["pack", "spread"] = "pack"
+    """Preferred allocation of shares: pack onto few devices, or spread over many."""
+    pre_start_required: bool = False
+    """Ask kubelet to call PreStartContainer (a no-op that only logs)."""
+    health_poll_seconds: float = 1.0
+    """How often every device's /dev nodes are checked; a missing one makes it Unhealthy."""
+    rediscover_seconds: float = 60.0
+    """How often the whole inventory is discovered again (also at once when /dev changes)."""
+
+    def check(self) -> None:
+        if not 0.05 <= self.health_poll_seconds <= 3600:
+            raise ValueError("health_poll_seconds: must be between 0.05 and 3600")
+        if not 1 <= self.rediscover_seconds <= 86400:
+            raise ValueError("rediscover_seconds: must be between 1 and 86400")
+
+
+@dataclass(frozen=True)
 class Settings:
     node_name: str = ""
     """The Kubernetes node this agent runs on; default: $NODE_NAME, else the host's hostname."""
@@ -131,6 +157,9 @@ class Settings:
     kunlunxin: KunlunxinSettings = field(default_factory=KunlunxinSettings)
     hygon: HygonSettings = field(default_factory=HygonSettings)
     ascend: AscendSettings = field(default_factory=AscendSettings)
+    plugin: PluginSettings = field(default_factory=PluginSettings)
+    metrics_addr: str = ":9400"
+    """Address of /metrics, /healthz and /readyz."""
     sharing: tuple[SharingRule, ...] = ()
     """Sharing rules per resource: [{resource, keep_whole, replicas, replica_resource,
     memory_unit_mib, memory_resource, core_unit_percent, core_resource}]; see README."""

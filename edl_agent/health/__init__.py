@@ -1,0 +1,1 @@
+"""Device health: what makes a device unusable, found by watching and polling."""

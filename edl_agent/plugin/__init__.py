@@ -1,0 +1,1 @@
+"""Kubelet device plugin: per-resource gRPC servers and the pure decisions behind them."""

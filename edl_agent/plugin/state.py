@@ -1,0 +1,101 @@
+"""The node's current devices and their health, shared by the plugin servers and the loops that
+update it. Readers take immutable snapshots; writers bump a version and wake every watcher."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+
+from edl_agent.devices.model import Device, Health, Inventory, Resource, ResourceUnit
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    version: int
+    inventory: Inventory
+    unhealthy: frozenset[str]  # physical device ids
+    devices: Mapping[str, Device] = field(default_factory=dict)
+    resources: Mapping[str, Resource] = field(default_factory=dict)
+
+    def unit_health(self, unit: ResourceUnit) -> Health:
+        """A unit is as healthy as its physical device, and a MIG device as its parent GPU."""
+        return Health.UNHEALTHY if self.is_unhealthy(unit.device_id) else Health.HEALTHY
+
+    def is_unhealthy(self, device_id: str) -> bool:
+        if device_id in self.unhealthy:
+            return True
+        device = self.devices.get(device_id)
+        if device is None or device.health is Health.UNHEALTHY:
+            return True
+        return device.parent is not None and self.is_unhealthy(device.parent)
+
+    def unhealthy_devices(self) -> frozenset[str]:
+        return frozenset(d for d in self.devices if self.is_unhealthy(d))
+
+
+def _snapshot(version: int, inventory: Inventory, unhealthy: frozenset[str]) -> Snapshot:
+    return Snapshot(
+        version=version,
+        inventory=inventory,
+        unhealthy=unhealthy,
+        devices={d.id: d for d in inventory.devices},
+        resources={r.name: r for r in inventory.resources},
+    )
+
+
+class DeviceState:
+    """Thread-safe holder of the latest snapshot, with change notification."""
+
+    def __init__(self, inventory: Inventory) -> None:
+        self._changed = threading.Condition()
+        self._closed = False
+        self._current = _snapshot(1, inventory, frozenset())
+
+    def snapshot(self) -> Snapshot:
+        with self._changed:
+            return self._current
+
+    def set_inventory(self, inventory: Inventory) -> bool:
+        """Replace the inventory; True (and watchers woken) when anything a watcher sees changed."""
+        with self._changed:
+            current = self._current
+            if inventory == current.inventory:
+                return False
+            self._publish(_snapshot(current.version + 1, inventory, current.unhealthy))
+            return True
+
+    def set_unhealthy(self, device_ids: Collection[str]) -> bool:
+        """Replace the set of devices found unhealthy by watchers; True when it changed."""
+        with self._changed:
+            current = self._current
+            unhealthy = frozenset(device_ids)
+            if unhealthy == current.unhealthy:
+                return False
+            self._publish(_snapshot(current.version + 1, current.inventory, unhealthy))
+            return True
+
+    def wait_newer(self, version: int, timeout: float) -> Snapshot | None:
+        """The first snapshot newer than `version`, or None on timeout or close."""
+        with self._changed:
+            self._changed.wait_for(
+                lambda: self._closed or self._current.version > version, timeout=timeout
+            )
+            if self._closed or self._current.version <= version:
+                return None
+            return self._current
+
+    def close(self) -> None:
+        """Wake every watcher for good (shutdown)."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        with self._changed:
+            return self._closed
+
+    def _publish(self, snapshot: Snapshot) -> None:
+        self._current = snapshot
+        self._changed.notify_all()

@@ -1,0 +1,124 @@
+"""A kubelet stand-in for tests: the Registration server on kubelet.sock, kubelet's restart
+behaviour (delete every socket in the directory, then a new kubelet.sock), and a client for the
+plugins that registered — all over real unix sockets."""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from edl_agent._proto.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+
+
+@dataclass
+class _Registrar(api_pb2_grpc.RegistrationServicer):  # type: ignore[misc]
+    requests: list[api_pb2.RegisterRequest] = field(default_factory=list)
+    changed: threading.Condition = field(default_factory=threading.Condition)
+
+    def Register(
+        self, request: api_pb2.RegisterRequest, context: grpc.ServicerContext
+    ) -> api_pb2.Empty:
+        with self.changed:
+            self.requests.append(request)
+            self.changed.notify_all()
+        return api_pb2.Empty()
+
+
+class KubeletStandIn:
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.socket = directory / "kubelet.sock"
+        self.registrar = _Registrar()
+        self._server: grpc.Server | None = None
+        self._executor: futures.ThreadPoolExecutor | None = None
+
+    def start(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._executor = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kubelet")
+        self._server = grpc.server(self._executor)
+        api_pb2_grpc.add_RegistrationServicer_to_server(self.registrar, self._server)
+        self._server.add_insecure_port(f"unix://{self.socket}")
+        self._server.start()
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop(0).wait()
+            self._server = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        with contextlib.suppress(FileNotFoundError):
+            self.socket.unlink()
+
+    def restart(self) -> None:
+        """What kubelet does when it restarts: every socket in its directory goes, then a new
+        kubelet.sock appears."""
+        self.stop()
+        for path in self.directory.glob("*.sock"):
+            path.unlink()
+        self.start()
+
+    @property
+    def registrations(self) -> list[api_pb2.RegisterRequest]:
+        with self.registrar.changed:
+            return list(self.registrar.requests)
+
+    def wait_registered(self, resources: set[str], *, after: int = 0, timeout: float = 10) -> float:
+        """Seconds until every resource registered (counting requests after index `after`)."""
+        started = time.monotonic()
+        with self.registrar.changed:
+            ok = self.registrar.changed.wait_for(
+                lambda: resources <= {r.resource_name for r in self.registrar.requests[after:]},
+                timeout=timeout,
+            )
+        if not ok:
+            got = {r.resource_name for r in self.registrations[after:]}
+            msg = f"not registered within {timeout}s: {sorted(resources - got)}"
+            raise AssertionError(msg)
+        return time.monotonic() - started
+
+    def endpoint(self, resource: str) -> Path:
+        request = next(r for r in reversed(self.registrations) if r.resource_name == resource)
+        return self.directory / request.endpoint
+
+    @contextlib.contextmanager
+    def plugin(self, resource: str) -> Iterator[api_pb2_grpc.DevicePluginStub]:
+        with grpc.insecure_channel(f"unix://{self.endpoint(resource)}") as channel:
+            yield api_pb2_grpc.DevicePluginStub(channel)
+
+
+class Watch:
+    """A ListAndWatch stream read on its own thread into a queue."""
+
+    def __init__(self, stub: api_pb2_grpc.DevicePluginStub) -> None:
+        self.updates: queue.Queue[api_pb2.ListAndWatchResponse] = queue.Queue()
+        self._call = stub.ListAndWatch(api_pb2.Empty())
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        with contextlib.suppress(grpc.RpcError):
+            for update in self._call:
+                self.updates.put(update)
+
+    def next(self, timeout: float = 5) -> api_pb2.ListAndWatchResponse:
+        return self.updates.get(timeout=timeout)
+
+    def until(self, predicate: object, timeout: float = 5) -> api_pb2.ListAndWatchResponse:
+        deadline = time.monotonic() + timeout
+        while True:
+            update = self.next(max(deadline - time.monotonic(), 0.01))
+            if callable(predicate) and predicate(update):
+                return update
+
+    def cancel(self) -> None:
+        self._call.cancel()
+        self._thread.join(timeout=5)
