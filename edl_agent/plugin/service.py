@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 import grpc
 import structlog
@@ -11,6 +11,7 @@ import structlog
 from edl_agent._proto.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from edl_agent.config import PluginSettings
 from edl_agent.devices.hostroot import HostRoot
+from edl_agent.devices.model import ResourceUnit
 from edl_agent.plugin import allocation, preferred
 from edl_agent.plugin.state import DeviceState, Snapshot
 
@@ -71,9 +72,8 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
         self, request: api_pb2.PreferredAllocationRequest, context: grpc.ServicerContext
     ) -> api_pb2.PreferredAllocationResponse:
         snapshot = self._state.snapshot()
-        resource = snapshot.resources.get(self.resource)
-        units = {u.id: u for u in resource.units} if resource is not None else {}
-        unhealthy = snapshot.unhealthy_devices()
+        units = snapshot.units.get(self.resource, {})
+        unhealthy = snapshot.unhealthy_all
         responses = []
         for request_one in request.container_requests:
             choice = preferred.preferred_allocation(
@@ -94,9 +94,8 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
         self, request: api_pb2.AllocateRequest, context: grpc.ServicerContext
     ) -> api_pb2.AllocateResponse:
         snapshot = self._state.snapshot()
-        resource = snapshot.resources.get(self.resource)
-        units = {u.id: u for u in resource.units} if resource is not None else {}
-        unhealthy = snapshot.unhealthy_devices()
+        units = snapshot.units.get(self.resource, {})
+        unhealthy = snapshot.unhealthy_all
         responses = []
         for container in request.container_requests:
             try:
@@ -105,7 +104,7 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
                     units=units,
                     devices=snapshot.devices,
                     unhealthy=unhealthy,
-                    existing_paths=self._existing_paths(snapshot),
+                    existing_paths=self._existing_paths(snapshot, units, container.devices_ids),
                     settings=self._settings,
                 )
             except allocation.AllocationError as exc:
@@ -146,9 +145,17 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
             )
         return api_pb2.ListAndWatchResponse(devices=devices)
 
-    def _existing_paths(self, snapshot: Snapshot) -> frozenset[str]:
-        candidates = {node for d in snapshot.devices.values() for node in d.device_nodes}
-        candidates |= allocation.optional_control_nodes()
+    def _existing_paths(
+        self, snapshot: Snapshot, units: Mapping[str, ResourceUnit], ids: Iterable[str]
+    ) -> frozenset[str]:
+        """Which of the requested devices' nodes and the control nodes exist right now."""
+        candidates = set(allocation.optional_control_nodes())
+        for unit_id in ids:
+            unit = units.get(unit_id)
+            device = snapshot.devices.get(unit.device_id) if unit is not None else None
+            while device is not None:
+                candidates.update(device.device_nodes)
+                device = snapshot.devices.get(device.parent) if device.parent else None
         return frozenset(path for path in candidates if self._root.exists(path))
 
 

@@ -3,6 +3,7 @@ update it. Readers take immutable snapshots; writers bump a version and wake eve
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
@@ -17,6 +18,9 @@ class Snapshot:
     unhealthy: frozenset[str]  # physical device ids
     devices: Mapping[str, Device] = field(default_factory=dict)
     resources: Mapping[str, Resource] = field(default_factory=dict)
+    # Derived once per change so that every RPC reads them without rebuilding.
+    units: Mapping[str, Mapping[str, ResourceUnit]] = field(default_factory=dict)
+    unhealthy_all: frozenset[str] = frozenset()
 
     def unit_health(self, unit: ResourceUnit) -> Health:
         """A unit is as healthy as its physical device, and a MIG device as its parent GPU."""
@@ -30,17 +34,18 @@ class Snapshot:
             return True
         return device.parent is not None and self.is_unhealthy(device.parent)
 
-    def unhealthy_devices(self) -> frozenset[str]:
-        return frozenset(d for d in self.devices if self.is_unhealthy(d))
-
 
 def _snapshot(version: int, inventory: Inventory, unhealthy: frozenset[str]) -> Snapshot:
-    return Snapshot(
+    partial = Snapshot(
         version=version,
         inventory=inventory,
         unhealthy=unhealthy,
         devices={d.id: d for d in inventory.devices},
         resources={r.name: r for r in inventory.resources},
+        units={r.name: {u.id: u for u in r.units} for r in inventory.resources},
+    )
+    return dataclasses.replace(
+        partial, unhealthy_all=frozenset(d for d in partial.devices if partial.is_unhealthy(d))
     )
 
 
