@@ -144,6 +144,29 @@ class PluginSettings:
 
 
 @dataclass(frozen=True)
+class HealthSettings:
+    xid_levels: dict[str, Literal["ignore", "warn", "device_fatal", "node_fatal"]] = field(
+        default_factory=dict
+    )
+    """Overrides of the XID table, e.g. {"31": "device_fatal", "94": "warn"}."""
+    ascend_code_levels: dict[str, Literal["ignore", "warn", "device_fatal", "node_fatal"]] = field(
+        default_factory=dict
+    )
+    """Overrides of the Ascend fault-code table, by hex code: {"0x80E01801": "node_fatal"}."""
+    quiet_seconds: float = 300.0
+    """A device made unhealthy by a transient fault is healthy again after this long quiet."""
+    poll_seconds: float = 1.0
+    """How often vendor tools are polled for health (vendors without an event API)."""
+    nvml_retry_seconds: float = 5.0
+    """Wait before trying again when NVML cannot be initialised or its event loop breaks."""
+
+    def check(self) -> None:
+        for key in ("quiet_seconds", "poll_seconds", "nvml_retry_seconds"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"{key}: must be positive")
+
+
+@dataclass(frozen=True)
 class Settings:
     node_name: str = ""
     """The Kubernetes node this agent runs on; default: $NODE_NAME, else the host's hostname."""
@@ -158,6 +181,7 @@ class Settings:
     hygon: HygonSettings = field(default_factory=HygonSettings)
     ascend: AscendSettings = field(default_factory=AscendSettings)
     plugin: PluginSettings = field(default_factory=PluginSettings)
+    health: HealthSettings = field(default_factory=HealthSettings)
     metrics_addr: str = ":9400"
     """Address of /metrics, /healthz and /readyz."""
     sharing: tuple[SharingRule, ...] = ()
