@@ -1,12 +1,15 @@
 """The node agent's supervisor: one loop that owns the periodic parts and keeps each alive.
 
-Each step (plugin sync, device-node presence, re-discovery) runs guarded: an exception is logged
-with its traceback, counted, and the step is tried again on a later tick — one broken part never
-stops the others. The gRPC servers run in their own thread pools and never wait on this loop.
+Each step (plugin sync, device-node presence, vendor health polls, recovery, re-discovery) runs
+guarded: an exception is logged with its traceback, counted, and the step is tried again on a
+later tick — one broken part never stops the others. The gRPC servers and the NVML event watcher
+run on their own threads; health events from any of them go through `report()`, the one health
+stream that feeds the device plugin (ListAndWatch wakes at once) and the metrics.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import Counter
@@ -18,11 +21,19 @@ import structlog
 from edl_agent.config import Settings
 from edl_agent.devices.discovery import discover_node
 from edl_agent.devices.hostroot import HostRoot
+from edl_agent.devices.model import Device, Health, Inventory, Vendor
+from edl_agent.devices.resources import advertised_resources
+from edl_agent.health.classify import classify_xid
+from edl_agent.health.model import DeviceTelemetry, HealthEvent, Level
+from edl_agent.health.nvml_watch import GPU_LOST, NvmlWatcher
+from edl_agent.health.polled import POLLERS, poll
 from edl_agent.health.presence import vanished
+from edl_agent.health.tracker import Condition, HealthTracker, Transition
 from edl_agent.plugin.manager import PluginManager
 from edl_agent.plugin.state import DeviceState
 
 TICK_SECONDS = 0.1
+NODE_VANISHED = "NODE_VANISHED"
 
 
 @dataclass
@@ -46,11 +57,19 @@ class Agent:
     def __post_init__(self) -> None:
         self.root = HostRoot.at(self.settings.host_root)
         self._log = structlog.get_logger()
+        started = time.monotonic()
         self.state = DeviceState(discover_node(self.settings))
+        self.discovery_seconds = time.monotonic() - started
         self.plugins = PluginManager(
             settings=self.settings.plugin, state=self.state, root=self.root
         )
+        self.tracker = HealthTracker(quiet_seconds=self.settings.health.quiet_seconds)
+        self._health_lock = threading.Lock()
+        self._vanished: frozenset[str] = frozenset()
+        self.polled_telemetry: dict[Vendor, list[DeviceTelemetry]] = {}
+        self.nvml: NvmlWatcher | None = None
         self._presence = _Schedule(self.settings.plugin.health_poll_seconds)
+        self._polls = _Schedule(self.settings.health.poll_seconds)
         self._rediscovery = _Schedule(
             self.settings.plugin.rediscover_seconds,
             due=time.monotonic() + self.settings.plugin.rediscover_seconds,
@@ -58,19 +77,22 @@ class Agent:
         self._ready = threading.Event()
 
     def run(self) -> None:
-        """Run until `stop` is set; then stop the servers and remove our sockets."""
+        """Run until `stop` is set; then stop the watchers and servers and remove our sockets."""
         self._log.info(
             "agent running",
             node=self.state.snapshot().inventory.node,
             kubelet_dir=str(self.plugins.directory),
-            resources=self.plugins.resources or sorted(self.state.snapshot().resources),
+            resources=sorted(self.state.snapshot().resources),
         )
+        self._start_nvml_watcher()
         try:
             while not self.stop.is_set():
                 self.tick(time.monotonic())
                 self._ready.set()
                 self.stop.wait(TICK_SECONDS)
         finally:
+            if self.nvml is not None:
+                self.nvml.stop()
             self.state.close()
             self.plugins.close()
             self._log.info("agent stopped")
@@ -79,31 +101,162 @@ class Agent:
         """True once the first tick has served every resource (for embedding and tests)."""
         return self._ready.wait(timeout)
 
+    def ready(self) -> tuple[bool, str]:
+        """Readiness for /readyz: every vendor's monitor works and the plugins are served."""
+        failed = self.tracker.vendor_conditions()
+        if failed:
+            reasons = ", ".join(f"{v.value}: {c.reason}" for v, c in failed.items())
+            return False, f"health monitor failing ({reasons})"
+        if self.nvml is not None and not self.nvml.ready:
+            return False, "NVML event loop not running"
+        if not self._ready.is_set():
+            return False, "starting"
+        return True, "ok"
+
+    def report(self, event: HealthEvent) -> None:
+        """The health stream: any watcher or poller, any thread."""
+        if event.device_id is None and event.reason == GPU_LOST:
+            # A GPU lost before we could read its uuid is not in the inventory at all (discovery
+            # reports it as an error); it must not take the vendor's other GPUs down with it.
+            event = dataclasses.replace(event, level=Level.WARN)
+        with self._health_lock:
+            changes = self.tracker.observe(event, self.state.snapshot().inventory.devices)
+            self._publish(changes)
+        if event.level is not Level.IGNORE or changes:
+            self._log.log(
+                30 if event.level.unhealthy and not event.cleared else 20,
+                "health event",
+                vendor=event.vendor.value,
+                device=event.device_id,
+                reason=event.reason,
+                severity=event.level.value,
+                cleared=event.cleared or None,
+                detail=event.detail or None,
+            )
+
+    def unhealthy(self) -> dict[str, Condition]:
+        """Unhealthy devices and why (events and vanished device nodes)."""
+        with self._health_lock:
+            return self.tracker.unhealthy(self.state.snapshot().inventory.devices)
+
     def tick(self, now: float) -> None:
-        rediscover = False
         if self._presence.take(now):
-            rediscover = self._guarded("presence", self._check_presence) or False
-        if self._rediscovery.take(now) or rediscover:
+            self._guarded("presence", lambda: self._check_presence(now))
+        if self._polls.take(now):
+            self._guarded("vendor_health", self._poll_vendors)
+        self._guarded("recovery", lambda: self._expire(now))
+        if self._rediscovery.take(now):
             self._guarded("rediscovery", self._rediscover)
         self._guarded("plugins", self.plugins.sync)
 
-    def _check_presence(self) -> bool:
-        """Mark devices with missing /dev nodes unhealthy; True when that set changed."""
-        snapshot = self.state.snapshot()
-        missing = vanished(snapshot.inventory.devices, self.root.exists)
-        if not self.state.set_unhealthy(missing):
-            return False
-        self._log.warning("device nodes changed", missing=sorted(missing) or None)
-        return True
+    def _start_nvml_watcher(self) -> None:
+        reports = self.state.snapshot().inventory.reports
+        if not any(r.vendor is Vendor.NVIDIA for r in reports):
+            return
+        overrides = self.settings.health.xid_levels
+        self.nvml = NvmlWatcher(
+            self.root,
+            self.report,
+            lambda code: classify_xid(code, overrides),
+            retry_seconds=self.settings.health.nvml_retry_seconds,
+        )
+        self.nvml.start()
+
+    def _check_presence(self, now: float) -> None:
+        devices = self.state.snapshot().inventory.devices
+        missing = vanished(devices, self.root.exists)
+        if missing == self._vanished:
+            return
+        gone, back = missing - self._vanished, self._vanished - missing
+        self._vanished = missing
+        for device in devices:
+            if device.id in gone:
+                lost = [p for p in device.device_nodes if not self.root.exists(p)]
+                detail = f"missing {', '.join(lost)}"
+                event = HealthEvent(
+                    device.vendor, device.id, NODE_VANISHED, Level.NODE_FATAL, now, detail
+                )
+                self.report(event)
+        if back:
+            with self._health_lock:
+                self._publish(self.tracker.sound(back, devices, reasons={NODE_VANISHED}))
+        self._rediscovery.due = now  # /dev changed: look at the whole node again
+
+    def _poll_vendors(self) -> None:
+        inventory = self.state.snapshot().inventory
+        for report in inventory.reports:
+            if report.vendor not in POLLERS or not report.devices:
+                continue
+            result = poll(report.vendor, self.root, report.devices, self.settings.health)
+            self.polled_telemetry[report.vendor] = result.telemetry
+            for event in result.events:
+                self.report(event)
+
+    def _expire(self, now: float) -> None:
+        with self._health_lock:
+            changes = self.tracker.expire(now, self.state.snapshot().inventory.devices)
+            self._publish(changes)
 
     def _rediscover(self) -> None:
-        if self.state.set_inventory(discover_node(self.settings)):
-            self._log.info("inventory changed")
+        started = time.monotonic()
+        inventory = self._keep_failed(discover_node(self.settings))
+        self.discovery_seconds = time.monotonic() - started
+        if self.state.set_inventory(inventory):
+            self._log.info("inventory changed", devices=len(inventory.devices))
+        sound = [d for d in inventory.devices if _sound(d, self._vanished)]
+        watched = [d.id for d in sound if d.vendor not in POLLERS]
+        polled = [d.id for d in sound if d.vendor in POLLERS]
+        # A poller re-reports a fault on every poll: what it saw a moment ago is still there.
+        fresh = started - 2 * self.settings.health.poll_seconds
+        with self._health_lock:
+            changes = self.tracker.sound(watched, inventory.devices)
+            changes += self.tracker.sound(polled, inventory.devices, seen_before=fresh)
+            self._publish(changes)
 
-    def _guarded(self, step: str, action: Callable[[], bool | None]) -> bool | None:
+    def _keep_failed(self, inventory: Inventory) -> Inventory:
+        """Devices that fell off the bus drop out of discovery; keep advertising them as
+        Unhealthy (rather than letting them vanish from kubelet) until they are found again."""
+        listed = {d.id for d in inventory.devices}
+        with self._health_lock:
+            failed = self.tracker.unhealthy(())
+        previous = self.state.snapshot().inventory.devices
+        keep = [
+            dataclasses.replace(d, health=Health.UNHEALTHY)
+            for d in previous
+            if d.id not in listed and d.id in failed
+        ]
+        if not keep:
+            return inventory
+        reports = tuple(
+            dataclasses.replace(
+                r, devices=r.devices + tuple(d for d in keep if d.vendor is r.vendor)
+            )
+            for r in inventory.reports
+        )
+        devices = [d for r in reports for d in r.devices]
+        return Inventory(inventory.node, reports, advertised_resources(devices, self.settings))
+
+    def _publish(self, changes: list[Transition]) -> None:
+        """Push the tracker's view into the device state (caller holds the health lock)."""
+        devices = self.state.snapshot().inventory.devices
+        self.state.set_unhealthy(self.tracker.unhealthy(devices).keys())
+        for change in changes:
+            self._log.log(
+                30 if change.to == "Unhealthy" else 20,
+                "device health changed",
+                device=change.device_id,
+                to=change.to,
+                reason=change.reason,
+                detail=change.detail or None,
+            )
+
+    def _guarded(self, step: str, action: Callable[[], None]) -> None:
         try:
-            return action()
+            action()
         except Exception:
             self.step_failures[step] += 1
             self._log.exception("agent step failed", step=step, failures=self.step_failures[step])
-            return None
+
+
+def _sound(device: Device, vanished_ids: frozenset[str]) -> bool:
+    return device.health is Health.HEALTHY and device.id not in vanished_ids

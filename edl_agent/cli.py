@@ -25,6 +25,8 @@ from edl_agent.config import (
     set_path,
 )
 from edl_agent.devices.model import Inventory
+from edl_agent.errors import UsageError
+from edl_agent.sim import inject_cli
 from edl_agent.sim.profile import ProfileError, load_profile, profile_names
 
 EXIT_USAGE = 2
@@ -42,10 +44,6 @@ settings: every key below can come from --config FILE (YAML), from an EDL_* envi
 (EDL_LOG_LEVEL=debug, EDL_NVIDIA__MIG_STRATEGY=mixed) or from --set KEY=VALUE; flags win over the
 environment, the environment over the file. `edl-agent config` lists every key.
 """
-
-
-class UsageError(Exception):
-    """Bad input from the person running the command: printed as one line, exit 2."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -144,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim_build.add_argument("profile", metavar="PROFILE", help="a name from `simulate list`")
     sim_build.add_argument("directory", metavar="DIR", type=Path, help="where to write the tree")
     sim_build.set_defaults(handler=_simulate_build)
+    inject_cli.add_parser(sim_commands)
     return parser
 
 

@@ -161,9 +161,16 @@ class HealthSettings:
     """Wait before trying again when NVML cannot be initialised or its event loop breaks."""
 
     def check(self) -> None:
+        from edl_agent.health.classify import check_ascend_overrides, check_xid_overrides
+
         for key in ("quiet_seconds", "poll_seconds", "nvml_retry_seconds"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"{key}: must be positive")
+        try:
+            check_xid_overrides(self.xid_levels)
+            check_ascend_overrides(self.ascend_code_levels)
+        except ValueError as exc:
+            raise ValueError(str(exc).removeprefix("health.")) from None
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,11 @@ class KubeletStandIn:
         request = next(r for r in reversed(self.registrations) if r.resource_name == resource)
         return self.directory / request.endpoint
 
+    def watch(self, resource: str) -> Watch:
+        """A ListAndWatch stream on its own channel, closed by Watch.cancel()."""
+        channel = grpc.insecure_channel(f"unix://{self.endpoint(resource)}")
+        return Watch(api_pb2_grpc.DevicePluginStub(channel), channel)
+
     @contextlib.contextmanager
     def plugin(self, resource: str) -> Iterator[api_pb2_grpc.DevicePluginStub]:
         with grpc.insecure_channel(f"unix://{self.endpoint(resource)}") as channel:
@@ -98,7 +103,10 @@ class KubeletStandIn:
 class Watch:
     """A ListAndWatch stream read on its own thread into a queue."""
 
-    def __init__(self, stub: api_pb2_grpc.DevicePluginStub) -> None:
+    def __init__(
+        self, stub: api_pb2_grpc.DevicePluginStub, channel: grpc.Channel | None = None
+    ) -> None:
+        self._channel = channel
         self.updates: queue.Queue[api_pb2.ListAndWatchResponse] = queue.Queue()
         self._call = stub.ListAndWatch(api_pb2.Empty())
         self._thread = threading.Thread(target=self._read, daemon=True)
@@ -122,3 +130,5 @@ class Watch:
     def cancel(self) -> None:
         self._call.cancel()
         self._thread.join(timeout=5)
+        if self._channel is not None:
+            self._channel.close()

@@ -16,6 +16,7 @@ from edl_agent.devices.model import Device, Health, Vendor, VendorReport
 
 TOOL = "npu-smi"
 QUERY_ARGS = ("info",)
+HEALTH_ARGS = ("info", "-t", "health", "-i", "{npu}", "-c", "{chip}")  # one chip's alarm codes
 SHARED_NODES = ("/dev/davinci_manager", "/dev/devmm_svm", "/dev/hisi_hdc")
 DRIVER_VERSION_FILE = "/usr/local/Ascend/driver/version.info"  # `Version=24.1.rc2` lines
 # npu-smi's health words; Warning is a minor alarm that leaves the chip usable.
@@ -27,10 +28,21 @@ _NPU_CELL = re.compile(r"^(\d+)\s+(\S+)$")
 _CHIP_CELL = re.compile(r"^(\d+)(?:\s+(\d+))?$")
 _BUS_ID = re.compile(r"^([0-9a-fA-F]{4}):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])$")
 _USAGE = re.compile(r"(\d+)\s*/\s*(\d+)")
+_CODE_SEPARATORS = re.compile(r"[\s,;]+")
+_FAULT_CODE = re.compile(r"^(?:0[xX])?([0-9a-fA-F]{1,8})$")
 
 
 class NpuSmiParseError(ValueError):
     """`npu-smi info` printed something this parser does not understand."""
+
+
+@dataclass(frozen=True)
+class NpuHealth:
+    """`npu-smi info -t health -i <npu> -c <chip>`: the chip's health word and alarm codes."""
+
+    health: str
+    codes: tuple[int, ...] = ()
+    information: str = ""
 
 
 @dataclass(frozen=True)
@@ -44,6 +56,12 @@ class NpuRecord:
     health: str  # OK, Warning, Alarm, Critical, ...
     bus_id: str  # sysfs form, 0000:c1:00.0
     memory_mib: int  # HBM total where the table has an HBM column, else memory total
+    # Live figures; None where the table prints NA. Power and temperature are the NPU row's, so
+    # the chips of a multi-chip card share them.
+    power_w: float | None = None
+    temperature_c: float | None = None
+    aicore_percent: float | None = None
+    memory_used_mib: int | None = None  # of the same column as memory_mib
 
 
 @dataclass(frozen=True)
@@ -66,7 +84,7 @@ def parse_npu_smi_info(text: str) -> NpuSmiInfo:
     headers = 0
     usage_columns = 1  # `<used> / <total>` pairs per chip row: Memory-Usage, and HBM-Usage if any
     records: list[NpuRecord] = []
-    npu: tuple[int, str, str] | None = None
+    npu: _NpuRow | None = None
     expect_npu_row = False
     for lineno, raw in enumerate(text.splitlines(), start=1):
         line = raw.strip()
@@ -102,16 +120,39 @@ def parse_npu_smi_info(text: str) -> NpuSmiInfo:
     )
 
 
-def _npu_row(cells: list[str], lineno: int) -> tuple[int, str, str]:
+@dataclass(frozen=True)
+class _NpuRow:
+    npu_id: int
+    name: str
+    health: str
+    power_w: float | None
+    temperature_c: float | None
+
+
+def _npu_row(cells: list[str], lineno: int) -> _NpuRow:
     match = _NPU_CELL.match(cells[0])
     if match is None or not cells[1]:
         msg = f"line {lineno}: expected `<npu id> <name> | <health>`, got {cells[0]!r}"
         raise NpuSmiParseError(msg)
-    return int(match.group(1)), match.group(2), cells[1]
+    figures = cells[2].split()  # Power(W) Temp(C) Hugepages-Usage; NA where unknown
+    return _NpuRow(
+        npu_id=int(match.group(1)),
+        name=match.group(2),
+        health=cells[1],
+        power_w=_figure(figures, 0),
+        temperature_c=_figure(figures, 1),
+    )
+
+
+def _figure(tokens: list[str], position: int) -> float | None:
+    try:
+        return float(tokens[position])
+    except (IndexError, ValueError):
+        return None
 
 
 def _chip_row(
-    cells: list[str], lineno: int, npu: tuple[int, str, str], usage_columns: int, *, position: int
+    cells: list[str], lineno: int, npu: _NpuRow, usage_columns: int, *, position: int
 ) -> NpuRecord:
     chip = _CHIP_CELL.match(cells[0])
     bus = _BUS_ID.match(cells[1])
@@ -122,16 +163,55 @@ def _chip_row(
             f"{' <used> / <total>' * usage_columns}`, got {cells!r}"
         )
         raise NpuSmiParseError(msg)
-    npu_id, name, health = npu
     device = chip.group(2)
     return NpuRecord(
-        npu_id=npu_id,
+        npu_id=npu.npu_id,
         chip_id=int(chip.group(1)),
         index=int(device) if device is not None else position,
-        name=name,
-        health=health,
+        name=npu.name,
+        health=npu.health,
         bus_id=cells[1].lower(),
         memory_mib=int(usage[-1][1]),  # HBM-Usage is the last column when the card has HBM
+        power_w=npu.power_w,
+        temperature_c=npu.temperature_c,
+        aicore_percent=_figure(cells[2].split(), 0),
+        memory_used_mib=int(usage[-1][0]),
+    )
+
+
+def parse_npu_smi_health(text: str) -> NpuHealth:
+    """Parse `npu-smi info -t health -i <npu> -c <chip>`: `Key : Value` lines
+
+        Health Status                  : OK
+        Error Code                     : NA
+        Error Information              : NA
+
+    (layout from Huawei's MindCluster log-collection guide, npu-smi 23.0). `Error Code` holds hex
+    codes without `0x`; how several codes are separated is not documented, so commas, semicolons
+    and blanks are all accepted.
+    """
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, colon, value = line.partition(":")
+        if colon:
+            fields[key.strip().lower()] = value.strip()
+    health = fields.get("health status") or fields.get("health")
+    if not health:
+        raise NpuSmiParseError("no `Health Status : <word>` line")
+    raw_codes = fields.get("error code", "NA")
+    codes: list[int] = []
+    if raw_codes.upper() not in ("NA", "N/A", ""):
+        for token in filter(None, _CODE_SEPARATORS.split(raw_codes)):
+            match = _FAULT_CODE.match(token)
+            if match is None:
+                msg = f"Error Code {raw_codes!r}: {token!r} is not a hex fault code"
+                raise NpuSmiParseError(msg)
+            codes.append(int(match.group(1), 16))
+    information = fields.get("error information", "")
+    return NpuHealth(
+        health=health,
+        codes=tuple(codes),
+        information="" if information.upper() in ("NA", "N/A") else information,
     )
 
 

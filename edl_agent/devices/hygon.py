@@ -9,6 +9,7 @@ not shift when another card disappears.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -21,6 +22,16 @@ from edl_agent.devices.model import Device, Health, Vendor, VendorReport
 
 TOOL = "hy-smi"
 QUERY_ARGS = ("--showproductname", "--showmeminfo", "vram", "--showdriverversion", "--json")
+# Live figures for the health poller: rocm-smi's flags, which hy-smi keeps.
+STATUS_ARGS = (
+    "--showbus",
+    "--showtemp",
+    "--showpower",
+    "--showuse",
+    "--showmeminfo",
+    "vram",
+    "--json",
+)
 PCI_VENDOR = "0x1d94"
 SHARED_NODES = ("/dev/kfd", "/dev/mkfd")  # KFD compute interface; mkfd exists on newer drivers
 KFD_NODES = "/sys/class/kfd/kfd/topology/nodes"
@@ -36,6 +47,17 @@ _PRODUCT_KEYS = ("Card Series", "Card series", "Card Model", "Card model")
 _MEMORY_MIB_KEYS = ("vram Total Memory (MiB)", "VRAM Total Memory (MiB)")
 _MEMORY_BYTES_KEYS = ("VRAM Total Memory (B)", "vram Total Memory (B)")
 _DRIVER_KEYS = ("Driver version", "Driver Version")
+# Status keys as rocm-smi spells them and public hy-smi collectors read them (HCU is hy-smi's name
+# for a DCU). `DCU State` is designed for the simulated tool: real hy-smi has no health field.
+_TEMPERATURE_KEYS = ("Temperature (Sensor junction) (C)", "Temperature (Sensor edge) (C)")
+_POWER_KEYS = (
+    "Average Graphics Package Power (W)",
+    "Current Socket Graphics Package Power (W)",
+)
+_USE_KEYS = ("HCU use (%)", "DCU use (%)", "GPU use (%)")
+_USED_MIB_KEYS = ("vram Total Used Memory (MiB)", "VRAM Total Used Memory (MiB)")
+_USED_BYTES_KEYS = ("VRAM Total Used Memory (B)", "vram Total Used Memory (B)")
+STATE_KEY = "DCU State"
 
 
 class HySmiParseError(ValueError):
@@ -58,16 +80,57 @@ class HySmiReport:
     dcus: tuple[DcuRecord, ...]
 
 
+@dataclass(frozen=True)
+class DcuStatus:
+    """Live figures of one `card<i>` entry; None where hy-smi printed nothing usable."""
+
+    index: int
+    bus_id: str | None = None
+    temperature_c: float | None = None
+    power_w: float | None = None
+    utilization_percent: float | None = None
+    memory_used_mib: float | None = None
+    memory_total_mib: float | None = None
+    state: str | None = None
+
+
 def parse_hy_smi_json(text: str) -> HySmiReport:
+    data, cards = _cards(text)
+    dcus = [_dcu_record(index, key, fields) for index, key, fields in cards]
+    system = data.get("system")
+    driver = _first(system, _DRIVER_KEYS) if isinstance(system, dict) else None
+    return HySmiReport(driver_version=driver, dcus=tuple(sorted(dcus, key=lambda d: d.index)))
+
+
+def parse_hy_smi_status(text: str) -> dict[int, DcuStatus]:
+    """The live figures of `hy-smi <STATUS_ARGS>` by DCU index; every figure is optional."""
+    statuses = {}
+    for index, _key, fields in _cards(text)[1]:
+        bus = _first(fields, ("PCI Bus",))
+        statuses[index] = DcuStatus(
+            index=index,
+            bus_id=bus.lower() if bus and _BUS_ID.match(bus) else None,
+            temperature_c=_float(_first(fields, _TEMPERATURE_KEYS)),
+            power_w=_float(_first(fields, _POWER_KEYS)),
+            utilization_percent=_float(_first(fields, _USE_KEYS)),
+            memory_used_mib=_mib(fields, _USED_MIB_KEYS, _USED_BYTES_KEYS),
+            memory_total_mib=_mib(fields, _MEMORY_MIB_KEYS, _MEMORY_BYTES_KEYS),
+            state=_first(fields, (STATE_KEY,)) or None,
+        )
+    return statuses
+
+
+def _cards(text: str) -> tuple[dict[str, Any], list[tuple[int, str, Mapping[str, Any]]]]:
+    """The JSON object and its `card<N>` entries in index order; HySmiParseError when garbled."""
     try:
-        data = json.loads(text)
+        data: object = json.loads(text)
     except json.JSONDecodeError as exc:
         msg = f"not JSON ({exc.msg} at line {exc.lineno})"
         raise HySmiParseError(msg) from None
     if not isinstance(data, dict):
         msg = f"expected a JSON object, got {type(data).__name__}"
         raise HySmiParseError(msg)
-    dcus = []
+    cards: list[tuple[int, str, Mapping[str, Any]]] = []
     for key, value in data.items():
         match = _CARD.match(key)
         if match is None:
@@ -75,12 +138,31 @@ def parse_hy_smi_json(text: str) -> HySmiReport:
         if not isinstance(value, dict):
             msg = f"{key}: expected an object"
             raise HySmiParseError(msg)
-        dcus.append(_dcu_record(int(match.group(1)), key, value))
-    if not dcus:
+        cards.append((int(match.group(1)), key, value))
+    if not cards:
         raise HySmiParseError("no card<N> entries")
-    system = data.get("system")
-    driver = _first(system, _DRIVER_KEYS) if isinstance(system, dict) else None
-    return HySmiReport(driver_version=driver, dcus=tuple(sorted(dcus, key=lambda d: d.index)))
+    return data, cards
+
+
+def _float(text: str | None) -> float | None:
+    """A figure as hy-smi prints it (`45.0`, `12`); None for N/A and the like."""
+    if text is None:
+        return None
+    try:
+        value = float(text.rstrip("%CW ").strip())
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _mib(
+    fields: Mapping[str, Any], mib_keys: tuple[str, ...], byte_keys: tuple[str, ...]
+) -> float | None:
+    mib = _float(_first(fields, mib_keys))
+    if mib is not None:
+        return mib
+    in_bytes = _float(_first(fields, byte_keys))
+    return in_bytes / _MIB if in_bytes is not None else None
 
 
 def _dcu_record(index: int, key: str, fields: Mapping[str, Any]) -> DcuRecord:

@@ -24,6 +24,7 @@ _NODE_NAME = re.compile(r"^xpu(\d+)$")
 _BLOCK_HEADING = re.compile(r"^XPU\s+(\S+)$")
 _BUS_ID = re.compile(r"^([0-9a-fA-F]{4,8}):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])$")
 _MIB = re.compile(r"^(\d+)\s*MiB$")
+_NUMBER = re.compile(r"^(\d+(?:\.\d+)?)\s*(?:C|W|%|MiB)?$")
 
 
 class XpuSmiParseError(ValueError):
@@ -42,6 +43,14 @@ class XpuRecord:
     uuid: str | None = None
     part_number: str | None = None
     architecture: str | None = None
+    # Live figures, None where the block does not print them (or prints N/A).
+    temperature_c: float | None = None
+    power_w: float | None = None
+    utilization_percent: float | None = None
+    memory_used_mib: float | None = None
+    ecc_corrected: int | None = None
+    ecc_uncorrected: int | None = None
+    state: str | None = None  # designed `XPU State` of the simulated tool; absent on real nodes
 
 
 @dataclass(frozen=True)
@@ -119,7 +128,32 @@ def _xpu_record(heading: str, fields: Mapping[str, str]) -> XpuRecord:
         uuid=fields.get("XPU UUID"),
         part_number=fields.get("XPU Part Number"),
         architecture=fields.get("Product Architecture"),
+        temperature_c=_number(_leaf(fields, "XPU Current Temp")),
+        power_w=_number(_leaf(fields, "Power Draw")),
+        utilization_percent=_number(_leaf(fields, "Xpu")),
+        memory_used_mib=_number(fields.get("Memory Usage/Used")),
+        ecc_corrected=_count(fields.get("ECC Errors/Volatile/DRAM Correctable")),
+        ecc_uncorrected=_count(fields.get("ECC Errors/Volatile/DRAM Uncorrectable")),
+        state=fields.get("XPU State") or None,
     )
+
+
+def _leaf(fields: Mapping[str, str], name: str) -> str | None:
+    """The value of the first key named `name` in any section (sections vary by driver)."""
+    for path, value in fields.items():
+        if path.rsplit("/", 1)[-1] == name:
+            return value
+    return None
+
+
+def _number(text: str | None) -> float | None:
+    """`40 C`, `93.5 W`, `12 %`, `0 MiB` to a number; None for N/A or anything else."""
+    match = _NUMBER.match(text.strip()) if text is not None else None
+    return float(match.group(1)) if match is not None else None
+
+
+def _count(text: str | None) -> int | None:
+    return int(text) if text is not None and text.strip().isdigit() else None
 
 
 def normalize_bus_id(text: str, *, where: str) -> str:
@@ -154,7 +188,7 @@ def discover(root: HostRoot) -> VendorReport | None:
     if error is not None:
         log.warning("kunlunxin tool failed; listing devices from /dev only", error=error)
 
-    records = _records_by_index(report) if report is not None else {}
+    records = records_by_index(report) if report is not None else {}
     shared = (CONTROL_NODE,) if root.exists(CONTROL_NODE) else ()
     devices = tuple(
         _device(
@@ -180,7 +214,7 @@ def _xpu_nodes(root: HostRoot) -> dict[int, str]:
     return nodes
 
 
-def _records_by_index(report: XpuSmiReport) -> dict[int, XpuRecord]:
+def records_by_index(report: XpuSmiReport) -> dict[int, XpuRecord]:
     """Key records by /dev/xpu<N> minor; blocks without a Minor Number count in printed order."""
     return {
         record.minor if record.minor is not None else position: record

@@ -3,7 +3,9 @@
 NVML is loaded from the host root (the driver's `libnvidia-ml.so.1`, or a simulated node's
 fake one) by handing pynvml a ctypes handle before `nvmlInit`. pynvml keeps that handle and a
 cache of function pointers in module globals, so every use of NVML goes through
-`nvml_session`, which holds a process-wide lock and resets those globals on the way out.
+`nvml_session`: sessions on the same library may run concurrently on any number of threads
+(NVML reference-counts nvmlInit/nvmlShutdown), and pynvml is pointed at another library only
+once no session is open.
 """
 
 from __future__ import annotations
@@ -39,7 +41,14 @@ LIBRARY_DIRS = (
 )
 MIB = 1 << 20
 
-_session_lock = threading.Lock()
+
+class _Sessions:
+    """Which library pynvml is bound to, and how many sessions use it."""
+
+    changed = threading.Condition()
+    library: str | None = None
+    count = 0
+
 
 ARCHITECTURES = {
     value: name.removeprefix("NVML_DEVICE_ARCH_").lower()
@@ -94,27 +103,45 @@ def nvml_session(library: str) -> Iterator[None]:
     """NVML initialised from `library` for the duration of the block.
 
     Raises OSError when the library cannot be loaded and pynvml.NVMLError when nvmlInit fails.
-    Not reentrant: one session per process at a time.
+    Sessions on the same library run concurrently (a thread may also nest them); a session on
+    another library waits until every open one has ended, so a thread must not open one
+    inside a session on a different library.
     """
-    with _session_lock:
-        handle = ctypes.CDLL(library)
-        _reset_pynvml(handle)
+    _acquire(library)
+    try:
+        pynvml.nvmlInit()
+    except BaseException:
+        _release()
+        raise
+    try:
+        yield
+    finally:
         try:
-            pynvml.nvmlInit()
-        except BaseException:
-            _reset_pynvml(None)
-            raise
-        try:
-            yield
+            pynvml.nvmlShutdown()
+        except pynvml.NVMLError as exc:
+            # What was read stays valid; a failed shutdown must not turn it into an error.
+            log = structlog.get_logger().bind(vendor=Vendor.NVIDIA.value)
+            log.warning("nvmlShutdown failed", error=str(exc))
         finally:
-            try:
-                pynvml.nvmlShutdown()
-            except pynvml.NVMLError as exc:
-                # What was read stays valid; a failed shutdown must not turn it into an error.
-                log = structlog.get_logger().bind(vendor=Vendor.NVIDIA.value)
-                log.warning("nvmlShutdown failed", error=str(exc))
-            finally:
-                _reset_pynvml(None)
+            _release()
+
+
+def _acquire(library: str) -> None:
+    with _Sessions.changed:
+        _Sessions.changed.wait_for(lambda: _Sessions.count == 0 or _Sessions.library == library)
+        if _Sessions.count == 0:
+            _reset_pynvml(ctypes.CDLL(library))
+            _Sessions.library = library
+        _Sessions.count += 1
+
+
+def _release() -> None:
+    with _Sessions.changed:
+        _Sessions.count -= 1
+        if _Sessions.count == 0:
+            _reset_pynvml(None)
+            _Sessions.library = None
+            _Sessions.changed.notify_all()
 
 
 def _reset_pynvml(handle: ctypes.CDLL | None) -> None:

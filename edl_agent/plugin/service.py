@@ -38,6 +38,7 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
     def stop(self) -> None:
         """End every ListAndWatch stream of this service."""
         self._stopping.set()
+        self._state.wake()
 
     def GetDevicePluginOptions(
         self, request: api_pb2.Empty, context: grpc.ServicerContext
@@ -52,7 +53,7 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
         self._log.info("list and watch started", devices=len(sent.devices))
         yield sent
         while not self._stopping.is_set() and context.is_active():
-            newer = self._state.wait_newer(snapshot.version, WATCH_TICK_SECONDS)
+            newer = self._state.wait_newer(snapshot.version, WATCH_TICK_SECONDS, self._stopping)
             if newer is None:
                 if self._state.closed:
                     break

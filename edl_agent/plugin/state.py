@@ -80,15 +80,27 @@ class DeviceState:
             self._publish(_snapshot(current.version + 1, current.inventory, unhealthy))
             return True
 
-    def wait_newer(self, version: int, timeout: float) -> Snapshot | None:
-        """The first snapshot newer than `version`, or None on timeout or close."""
+    def wait_newer(
+        self, version: int, timeout: float, cancel: threading.Event | None = None
+    ) -> Snapshot | None:
+        """The first snapshot newer than `version`, or None on timeout, close or `cancel`."""
+
+        def done() -> bool:
+            cancelled = cancel is not None and cancel.is_set()
+            return self._closed or cancelled or self._current.version > version
+
         with self._changed:
-            self._changed.wait_for(
-                lambda: self._closed or self._current.version > version, timeout=timeout
-            )
-            if self._closed or self._current.version <= version:
+            self._changed.wait_for(done, timeout=timeout)
+            if self._closed or (cancel is not None and cancel.is_set()):
+                return None
+            if self._current.version <= version:
                 return None
             return self._current
+
+    def wake(self) -> None:
+        """Wake every waiter so that it re-checks its own cancel event."""
+        with self._changed:
+            self._changed.notify_all()
 
     def close(self) -> None:
         """Wake every watcher for good (shutdown)."""

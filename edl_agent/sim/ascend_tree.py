@@ -1,13 +1,16 @@
 """Ascend NPUs of a simulated node: `/dev/davinci*`, PCI sysfs entries and an `npu-smi` stand-in.
 
 The stand-in prints the recorded output kept next to it (`npu-smi.info.txt` for `info`,
-`npu-smi.info-m.txt` for `info -m`). Each NPU's health is the Health cell of that table:
-`set_health` rewrites it, which is how a fault (an NPU turning `Critical`) is simulated.
+`npu-smi.info-m.txt` for `info -m`, `npu-smi.health.<N>.txt` for `info -t health -i <N>`).
+Each NPU's health is the Health cell of that table plus its health file: `set_npu_health`
+rewrites both, which is how a fault (an NPU turning `Critical` with fault code 0x80E01801) is
+simulated. NPU ids equal device indexes here (one chip per NPU), so `-c <chip>` is not checked.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +20,7 @@ from edl_agent.sim.tree import VENDOR_SLOT, write_file
 TOOL = "/usr/local/Ascend/driver/tools/npu-smi"
 INFO_OUTPUT = TOOL + ".info.txt"
 MAP_OUTPUT = TOOL + ".info-m.txt"
+HEALTH_OUTPUT = TOOL + ".health.{npu}.txt"
 VERSION_INFO = "/usr/local/Ascend/driver/version.info"
 SHARED_NODES = ("/dev/davinci_manager", "/dev/devmm_svm", "/dev/hisi_hdc")
 PCI_VENDOR = "0x19e5"
@@ -28,6 +32,11 @@ here=$(dirname "$0")
 case "$*" in
   info) exec cat "$here/npu-smi.info.txt" ;;
   "info -m") exec cat "$here/npu-smi.info-m.txt" ;;
+  "info -t health -i "*)
+    npu=$5
+    case "$npu" in "" | *[!0-9]*) echo "npu-smi (simulated): bad NPU id: $npu" >&2; exit 2 ;; esac
+    [ -f "$here/npu-smi.health.$npu.txt" ] && exec cat "$here/npu-smi.health.$npu.txt"
+    echo "Error: the device $npu does not exist." >&2; exit 1 ;;
   *) echo "npu-smi (simulated): unsupported arguments: $*" >&2; exit 2 ;;
 esac
 """
@@ -41,6 +50,8 @@ _HEADER = (
     "| Chip                      | Bus-Id        | "
     "AICore(%)   Memory-Usage(MB)  HBM-Usage(MB)        |",
 )
+_HEALTH_WORD = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,12}$")  # fits the 13-wide Health cell
+_FAULT_CODE = re.compile(r"^(?:0[xX])?([0-9a-fA-F]{1,8})$")
 _PROCESS_HEADER = (
     "| NPU     Chip              | Process id    | "
     "Process name             | Process memory(MB)      |"
@@ -85,6 +96,8 @@ def write(spec: AscendSpec, profile: Profile, root: Path) -> None:
     write_file(root, VERSION_INFO, f"Version={spec.driver_version}\n")
     write_file(root, INFO_OUTPUT, npu_smi_info(spec.driver_version, npus))
     write_file(root, MAP_OUTPUT, npu_smi_info_map(npus))
+    for npu in npus:
+        write_file(root, HEALTH_OUTPUT.format(npu=npu.index), npu_smi_health(npu.health))
     write_file(root, TOOL, SCRIPT, mode=0o755)
 
 
@@ -117,6 +130,21 @@ def npu_smi_info_map(npus: list[SimNpu]) -> str:
     return "".join("\t" + "".join(f"{cell:<31}" for cell in row) + "\n" for row in rows)
 
 
+def npu_smi_health(health: str, codes: Sequence[int] = (), information: str = "") -> str:
+    """`npu-smi info -t health -i <N> -c <chip>` as Huawei's log-collection guide shows it; several
+    codes are printed comma-separated (the real separator is undocumented)."""
+    code_text = ", ".join(f"{code:08X}" for code in codes) or "NA"
+    info = information or ("simulated fault" if codes else "NA")
+    return "".join(
+        f"        {key:<31}: {value}\n"
+        for key, value in (
+            ("Health Status", health),
+            ("Error Code", code_text),
+            ("Error Information", info),
+        )
+    )
+
+
 def set_health(root: Path, npu_id: int, health: str) -> None:
     """Rewrite NPU `npu_id`'s Health cell in the recorded `npu-smi info` output."""
     path = root / INFO_OUTPUT.lstrip("/")
@@ -126,3 +154,39 @@ def set_health(root: Path, npu_id: int, health: str) -> None:
         msg = f"NPU {npu_id} not found in {INFO_OUTPUT}"
         raise ValueError(msg)
     path.write_text(text, encoding="utf-8")
+
+
+def set_npu_health(
+    root: Path, index: int, health_text: str, fault_codes: Sequence[int | str] = ()
+) -> None:
+    """Make NPU `index` report `health_text` (OK, Warning, Alarm, Critical, ...) in `npu-smi info`
+    and `fault_codes` (0x80E01801 or "80E01801") in `npu-smi info -t health`; OK with no codes
+    clears a fault. ValueError (one line) for a bad argument or a tree without simulated NPUs."""
+    if not (root / INFO_OUTPUT.lstrip("/")).is_file():
+        msg = f"{root}: no simulated Ascend NPUs (no {INFO_OUTPUT})"
+        raise ValueError(msg)
+    if not _HEALTH_WORD.match(health_text):
+        msg = f"health {health_text!r}: expected one word of at most 13 letters, e.g. Critical"
+        raise ValueError(msg)
+    codes = [_fault_code(code) for code in fault_codes]
+    health_file = root / HEALTH_OUTPUT.format(npu=index).lstrip("/")
+    if index < 0 or not health_file.is_file():
+        msg = f"{root}: no simulated NPU {index}"
+        raise ValueError(msg)
+    set_health(root, index, health_text)
+    health_file.write_text(npu_smi_health(health_text, codes), encoding="utf-8")
+
+
+def _fault_code(code: int | str) -> int:
+    if isinstance(code, int):
+        value = code
+    else:
+        match = _FAULT_CODE.match(code.strip())
+        if match is None:
+            msg = f"fault code {code!r}: expected hex like 0x80E01801"
+            raise ValueError(msg)
+        value = int(match.group(1), 16)
+    if not 0 <= value <= 0xFFFFFFFF:
+        msg = f"fault code {code!r}: expected a 32-bit code"
+        raise ValueError(msg)
+    return value

@@ -26,19 +26,51 @@
  * malformed one makes it return NVML_ERROR_UNKNOWN and print the file, line and reason to
  * stderr.
  *
- * Layout of this file: NVML types, the device table, the data-file parser, then the API in
- * groups (lifecycle, system, device identity, memory/PCI, MIG, NVLink/topology, telemetry).
- * NVML events and fault injection are meant to join as further groups that update the
- * telemetry and health fields of the device table.
+ * Fault file: "<library path>.faults", append-only, one fault per line, the verb first and then
+ * space-separated fields (written by edl_agent/sim/inject.py; blank lines and '#' ignored):
+ *
+ *   xid        gpu=3 code=79 [mig=1]   an XID critical error (mig: index of the MIG device it
+ *                                      is attributed to, reported as GPU/compute instance ids)
+ *   ecc_dbe    gpu=3                   a double-bit ECC error: uncorrected counters + 1
+ *   ecc_sbe    gpu=3                   a single-bit ECC error: corrected counters + 1
+ *   lost       gpu=3                   the GPU falls off the bus
+ *   recover    gpu=3                   the GPU is back (as after a reset)
+ *   init_fail  on|off                  nvmlInit fails with NVML_ERROR_DRIVER_NOT_LOADED while on
+ *   telemetry  gpu=3 [temperature_c=N] [power_w=N] [utilization=N] [memory_used_mib=N]
+ *
+ * State (lost GPUs, init_fail, ECC counters, telemetry) is the fold of the whole file, redone
+ * at the first nvmlInit of a process and brought up to date on later calls, so a restarted
+ * agent still sees a lost GPU. Events go only to event sets that existed when the line was
+ * appended: a set starts reading at the file's end when it is created, so nothing is replayed.
+ * A malformed line is reported on stderr and skipped.
+ *
+ * Events, as a real driver reports them: xid -> nvmlEventTypeXidCriticalError with eventData =
+ * code; ecc_dbe/ecc_sbe -> nvmlEventTypeDoubleBitEccError/SingleBitEccError; lost -> an XID 79
+ * event (the driver's "GPU has fallen off the bus"), after which every query on that GPU and
+ * its MIG devices returns NVML_ERROR_GPU_IS_LOST. The event's device is always the physical
+ * GPU; for MIG, gpuInstanceId/computeInstanceId name the instance (0xFFFFFFFF when none).
+ * While init_fail is on, nvmlEventSetWait returns NVML_ERROR_UNKNOWN: the driver is gone.
+ * nvmlEventSetWait sleeps in poll() on an inotify watch of the library's directory, so an
+ * appended line wakes it at once and an idle wait costs no CPU.
+ *
+ * Layout of this file: NVML types, the device table, the data-file parser, the fault file,
+ * then the API in groups (lifecycle, system, device identity, memory/PCI, MIG,
+ * NVLink/topology, telemetry, ECC, events).
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <errno.h>
 #include <limits.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/inotify.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
 
 /* ---- NVML types and constants (values as in nvml.h) ------------------------------------ */
 
@@ -53,6 +85,7 @@ enum {
     NVML_ERROR_NOT_FOUND = 6,
     NVML_ERROR_INSUFFICIENT_SIZE = 7,
     NVML_ERROR_DRIVER_NOT_LOADED = 9,
+    NVML_ERROR_TIMEOUT = 10,
     NVML_ERROR_GPU_IS_LOST = 15,
     NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25,
     NVML_ERROR_UNKNOWN = 999,
@@ -66,10 +99,29 @@ enum {
     NVML_TOPOLOGY_NODE = 40,
     NVML_TOPOLOGY_SYSTEM = 50,
 };
+#define NVML_DEVICE_ARCH_AMPERE 7u
 #define NVML_DEVICE_ARCH_UNKNOWN 0xffffffffu
 #define NVML_NVLINK_MAX_LINKS 36 /* nvml.h of CUDA 12.8+; older headers say 18 */
 #define NVML_MEMORY_V2 0x02000028u /* sizeof(nvmlMemory_v2_t) | 2 << 24 */
 #define PCI_VENDOR_NVIDIA 0x10deu
+#define NVML_VALUE_NOT_AVAILABLE 0xffffffffu
+
+enum { NVML_MEMORY_ERROR_TYPE_CORRECTED = 0, NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1 };
+enum { NVML_VOLATILE_ECC = 0, NVML_AGGREGATE_ECC = 1 };
+enum {
+    NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS = 0,
+    NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR = 1,
+};
+
+#define nvmlEventTypeSingleBitEccError 0x1ull
+#define nvmlEventTypeDoubleBitEccError 0x2ull
+#define nvmlEventTypePState 0x4ull
+#define nvmlEventTypeXidCriticalError 0x8ull
+#define nvmlEventTypeClock 0x10ull
+#define SUPPORTED_EVENTS                                                                      \
+    (nvmlEventTypeSingleBitEccError | nvmlEventTypeDoubleBitEccError | nvmlEventTypePState | \
+     nvmlEventTypeXidCriticalError | nvmlEventTypeClock)
+#define XID_GPU_FALLEN_OFF_THE_BUS 79
 
 typedef struct {
     char busIdLegacy[16];
@@ -146,10 +198,15 @@ struct nvmlDevice_st {
     unsigned int gpu_instance_id;
     unsigned int compute_instance_id;
 
-    /* Telemetry: static values for now; metrics and fault injection will change them. */
+    /* GPUs: state the fault file changes while other threads read it (always via atomics). */
+    int base_lost; /* lost=1 in the data file */
+    unsigned long long ecc_corrected;
+    unsigned long long ecc_uncorrected;
     unsigned int temperature_c;
     unsigned int power_usage_mw;
-    nvmlUtilization_t utilization;
+    unsigned int utilization_gpu;
+    unsigned int utilization_memory;
+    unsigned long long memory_used_mib; /* in use by applications, beyond the driver's share */
 };
 
 typedef struct nvmlDevice_st *nvmlDevice_t;
@@ -164,6 +221,38 @@ static struct nvmlDevice_st gpus[MAX_GPUS];
 static unsigned int gpu_count;
 static struct nvmlDevice_st migs[MAX_GPUS * MAX_MIGS_PER_GPU];
 static unsigned int mig_total;
+
+static void sync_faults(void);
+
+static int get_int(const int *at)
+{
+    return __atomic_load_n(at, __ATOMIC_ACQUIRE);
+}
+
+static void set_int(int *at, int value)
+{
+    __atomic_store_n(at, value, __ATOMIC_RELEASE);
+}
+
+static unsigned int get_uint(const unsigned int *at)
+{
+    return __atomic_load_n(at, __ATOMIC_RELAXED);
+}
+
+static void set_uint(unsigned int *at, unsigned int value)
+{
+    __atomic_store_n(at, value, __ATOMIC_RELAXED);
+}
+
+static unsigned long long get_ull(const unsigned long long *at)
+{
+    return __atomic_load_n(at, __ATOMIC_RELAXED);
+}
+
+static void set_ull(unsigned long long *at, unsigned long long value)
+{
+    __atomic_store_n(at, value, __ATOMIC_RELAXED);
+}
 
 static int initialized(void)
 {
@@ -195,7 +284,8 @@ static nvmlReturn_t lookup(nvmlDevice_t handle, struct nvmlDevice_st **out)
         *out = in_table(handle, migs, mig_total);
     if (*out == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
-    return physical(*out)->lost ? NVML_ERROR_GPU_IS_LOST : NVML_SUCCESS;
+    sync_faults();
+    return get_int(&physical(*out)->lost) ? NVML_ERROR_GPU_IS_LOST : NVML_SUCCESS;
 }
 
 /* A valid handle of a whole GPU; MIG devices do not support the query. */
@@ -369,6 +459,19 @@ static int parse_system(struct parser *p, const struct record *r)
     return 1;
 }
 
+/* The data file's view of a GPU, before any fault. */
+static void reset_dynamic(struct nvmlDevice_st *gpu)
+{
+    set_int(&gpu->lost, gpu->base_lost);
+    set_ull(&gpu->ecc_corrected, 0);
+    set_ull(&gpu->ecc_uncorrected, 0);
+    set_uint(&gpu->temperature_c, 33 + gpu->index % 4);
+    set_uint(&gpu->power_usage_mw, gpu->power_limit_mw / 10);
+    set_uint(&gpu->utilization_gpu, 0);
+    set_uint(&gpu->utilization_memory, 0);
+    set_ull(&gpu->memory_used_mib, 0);
+}
+
 static int parse_gpu(struct parser *p, const struct record *r)
 {
     static const char *const keys[] = {
@@ -418,10 +521,9 @@ static int parse_gpu(struct parser *p, const struct record *r)
         return fail(p, "bad mig mode ", mig);
     gpu->memory_mib = (unsigned long long)memory;
     gpu->numa_node = (int)numa;
-    gpu->lost = (int)lost;
+    gpu->base_lost = (int)lost;
     gpu->power_limit_mw = power_w * 1000;
-    gpu->power_usage_mw = gpu->power_limit_mw / 10;
-    gpu->temperature_c = 33 + index % 4;
+    reset_dynamic(gpu);
     gpu_count++;
     return 1;
 }
@@ -550,19 +652,286 @@ static nvmlReturn_t load_data(const char *path, char *error, size_t error_size)
     return NVML_SUCCESS;
 }
 
-static nvmlReturn_t data_path(char *out, size_t size, char *error, size_t error_size)
+/* "<this library's resolved path><suffix>". */
+static nvmlReturn_t sibling_path(const char *suffix, char *out, size_t size, char *error,
+                                 size_t error_size)
 {
     Dl_info info;
     char resolved[PATH_MAX];
-    if (dladdr((void *)&data_path, &info) == 0 || info.dli_fname == NULL ||
+    if (dladdr((void *)&sibling_path, &info) == 0 || info.dli_fname == NULL ||
         realpath(info.dli_fname, resolved) == NULL) {
         snprintf(error, error_size, "cannot locate the library's own file");
         return NVML_ERROR_UNKNOWN;
     }
-    if ((size_t)snprintf(out, size, "%s.sim", resolved) >= size) {
+    if ((size_t)snprintf(out, size, "%s%s", resolved, suffix) >= size) {
         snprintf(error, error_size, "library path too long");
         return NVML_ERROR_UNKNOWN;
     }
+    return NVML_SUCCESS;
+}
+
+/* ---- The fault file ---------------------------------------------------------------------- */
+
+enum fault_kind {
+    FAULT_XID,
+    FAULT_ECC_DBE,
+    FAULT_ECC_SBE,
+    FAULT_LOST,
+    FAULT_RECOVER,
+    FAULT_INIT_FAIL,
+    FAULT_TELEMETRY,
+};
+
+static const struct {
+    const char *verb;
+    enum fault_kind kind;
+} fault_verbs[] = {
+    {"xid", FAULT_XID},         {"ecc_dbe", FAULT_ECC_DBE},     {"ecc_sbe", FAULT_ECC_SBE},
+    {"lost", FAULT_LOST},       {"recover", FAULT_RECOVER},     {"init_fail", FAULT_INIT_FAIL},
+    {"telemetry", FAULT_TELEMETRY},
+};
+
+#define UNSET (-1LL)
+
+struct fault {
+    enum fault_kind kind;
+    unsigned int gpu;
+    unsigned long long code;
+    long long mig;
+    int on;
+    long long temperature_c, power_w, utilization, memory_used_mib;
+};
+
+static char faults_file[PATH_MAX + 16];
+static char faults_dir[PATH_MAX + 16];
+static pthread_mutex_t fault_lock = PTHREAD_MUTEX_INITIALIZER;
+static off_t faults_applied; /* bytes of the fault file folded into the device table */
+static int init_failing;
+
+static int fault_number(const char *key, const char *value, unsigned long long high,
+                        long long *out, char *error, size_t size)
+{
+    char *end;
+    errno = 0;
+    unsigned long long number = strtoull(value, &end, 10);
+    if (*value == '\0' || *value == '-' || *end != '\0' || errno != 0 || number > high) {
+        snprintf(error, size, "bad number for %s: %s", key, value);
+        return 0;
+    }
+    *out = (long long)number;
+    return 1;
+}
+
+static int fault_field(struct fault *f, char *field, int *has_gpu, int *has_code, char *error,
+                       size_t size)
+{
+    char *equals = strchr(field, '=');
+    long long number = 0;
+    long long *telemetry = NULL;
+    unsigned long long high = 1000000;
+
+    if (equals == NULL || equals == field) {
+        snprintf(error, size, "expected key=value, got %s", field);
+        return 0;
+    }
+    *equals = '\0';
+    const char *key = field, *value = equals + 1;
+    if (strcmp(key, "gpu") == 0 && f->kind != FAULT_INIT_FAIL) {
+        if (!fault_number(key, value, UINT_MAX, &number, error, size))
+            return 0;
+        f->gpu = (unsigned int)number;
+        *has_gpu = 1;
+        return 1;
+    }
+    if (strcmp(key, "code") == 0 && f->kind == FAULT_XID) {
+        if (!fault_number(key, value, UINT_MAX, &number, error, size))
+            return 0;
+        f->code = (unsigned long long)number;
+        *has_code = 1;
+        return 1;
+    }
+    if (strcmp(key, "mig") == 0 && f->kind == FAULT_XID)
+        return fault_number(key, value, UINT_MAX, &f->mig, error, size);
+    if (f->kind == FAULT_TELEMETRY) {
+        if (strcmp(key, "temperature_c") == 0)
+            telemetry = &f->temperature_c;
+        else if (strcmp(key, "power_w") == 0)
+            telemetry = &f->power_w;
+        else if (strcmp(key, "utilization") == 0) {
+            telemetry = &f->utilization;
+            high = 100;
+        } else if (strcmp(key, "memory_used_mib") == 0) {
+            telemetry = &f->memory_used_mib;
+            high = 1ULL << 30;
+        }
+        if (telemetry != NULL)
+            return fault_number(key, value, high, telemetry, error, size);
+    }
+    snprintf(error, size, "unknown key %s", key);
+    return 0;
+}
+
+/* One line, split in place: 1 with `f` filled, 0 for a blank or comment line, -1 when it is
+ * malformed (`error` says why). */
+static int parse_fault(char *line, struct fault *f, char *error, size_t size)
+{
+    char *save = NULL, *field;
+    char *verb = strtok_r(line, " \t\r", &save);
+    int known = 0, has_gpu = 0, has_code = 0, has_on = 0;
+
+    if (verb == NULL || verb[0] == '#')
+        return 0;
+    memset(f, 0, sizeof *f);
+    f->mig = f->temperature_c = f->power_w = f->utilization = f->memory_used_mib = UNSET;
+    for (size_t i = 0; i < sizeof fault_verbs / sizeof fault_verbs[0]; i++)
+        if (strcmp(verb, fault_verbs[i].verb) == 0) {
+            f->kind = fault_verbs[i].kind;
+            known = 1;
+        }
+    if (!known) {
+        snprintf(error, size, "unknown fault %s", verb);
+        return -1;
+    }
+    while ((field = strtok_r(NULL, " \t\r", &save)) != NULL) {
+        if (f->kind == FAULT_INIT_FAIL && !has_on &&
+            (strcmp(field, "on") == 0 || strcmp(field, "off") == 0)) {
+            f->on = strcmp(field, "on") == 0;
+            has_on = 1;
+        } else if (!fault_field(f, field, &has_gpu, &has_code, error, size)) {
+            return -1;
+        }
+    }
+    if (f->kind == FAULT_INIT_FAIL) {
+        if (!has_on)
+            snprintf(error, size, "init_fail needs on or off");
+        return has_on ? 1 : -1;
+    }
+    if (!has_gpu || (f->kind == FAULT_XID && !has_code)) {
+        snprintf(error, size, "%s needs %s", verb, has_gpu ? "code=" : "gpu=");
+        return -1;
+    }
+    if (f->gpu >= gpu_count) {
+        snprintf(error, size, "no GPU %u", f->gpu);
+        return -1;
+    }
+    if (f->mig != UNSET && (unsigned long long)f->mig >= gpus[f->gpu].mig_count) {
+        snprintf(error, size, "GPU %u has no MIG device %lld", f->gpu, f->mig);
+        return -1;
+    }
+    return 1;
+}
+
+/* The next complete line from the stream, which stands at `*offset`; the offset moves past it.
+ * A last line without its newline is not complete yet: it is read once its writer is done. */
+static int next_line(FILE *file, off_t *offset, char **line, size_t *capacity)
+{
+    ssize_t length = getline(line, capacity, file);
+    if (length <= 0 || (*line)[length - 1] != '\n')
+        return 0;
+    (*line)[length - 1] = '\0';
+    *offset += length;
+    return 1;
+}
+
+static off_t faults_size(void)
+{
+    struct stat st;
+    return stat(faults_file, &st) == 0 ? st.st_size : 0;
+}
+
+static void apply_fault(const struct fault *f)
+{
+    struct nvmlDevice_st *gpu = &gpus[f->gpu];
+    switch (f->kind) {
+    case FAULT_XID:
+        break;
+    case FAULT_ECC_DBE:
+        __atomic_add_fetch(&gpu->ecc_uncorrected, 1, __ATOMIC_RELAXED);
+        break;
+    case FAULT_ECC_SBE:
+        __atomic_add_fetch(&gpu->ecc_corrected, 1, __ATOMIC_RELAXED);
+        break;
+    case FAULT_LOST:
+        set_int(&gpu->lost, 1);
+        break;
+    case FAULT_RECOVER:
+        set_int(&gpu->lost, 0);
+        break;
+    case FAULT_INIT_FAIL:
+        set_int(&init_failing, f->on);
+        break;
+    case FAULT_TELEMETRY:
+        if (f->temperature_c != UNSET)
+            set_uint(&gpu->temperature_c, (unsigned int)f->temperature_c);
+        if (f->power_w != UNSET)
+            set_uint(&gpu->power_usage_mw, (unsigned int)f->power_w * 1000);
+        if (f->utilization != UNSET) {
+            set_uint(&gpu->utilization_gpu, (unsigned int)f->utilization);
+            set_uint(&gpu->utilization_memory, (unsigned int)f->utilization / 2);
+        }
+        if (f->memory_used_mib != UNSET)
+            set_ull(&gpu->memory_used_mib, (unsigned long long)f->memory_used_mib);
+        break;
+    }
+}
+
+/* Fold the lines appended since the last call into the device table; fault_lock is held. */
+static void fold_faults_locked(void)
+{
+    off_t size = faults_size(), offset = faults_applied;
+    char *line = NULL, error[256];
+    size_t capacity = 0;
+    struct fault f;
+    FILE *file;
+
+    if (size < offset) { /* replaced or truncated: fold the new file from its start */
+        for (unsigned int i = 0; i < gpu_count; i++)
+            reset_dynamic(&gpus[i]);
+        set_int(&init_failing, 0);
+        offset = 0;
+    }
+    if (size > offset && (file = fopen(faults_file, "r")) != NULL) {
+        if (fseeko(file, offset, SEEK_SET) == 0)
+            while (next_line(file, &offset, &line, &capacity)) {
+                int parsed = parse_fault(line, &f, error, sizeof error);
+                if (parsed > 0)
+                    apply_fault(&f);
+                else if (parsed < 0)
+                    fprintf(stderr, "fake libnvidia-ml: %s: line skipped: %s\n", faults_file,
+                            error);
+            }
+        free(line);
+        fclose(file);
+    }
+    __atomic_store_n(&faults_applied, offset, __ATOMIC_RELEASE);
+}
+
+/* Bring the device table up to date with the fault file: one stat() when nothing changed. */
+static void sync_faults(void)
+{
+    if (faults_size() == __atomic_load_n(&faults_applied, __ATOMIC_ACQUIRE))
+        return;
+    pthread_mutex_lock(&fault_lock);
+    fold_faults_locked();
+    pthread_mutex_unlock(&fault_lock);
+}
+
+/* The whole file, from scratch (first nvmlInit of the process). */
+static nvmlReturn_t load_faults(char *error, size_t error_size)
+{
+    char *slash;
+    nvmlReturn_t ret = sibling_path(".faults", faults_file, sizeof faults_file, error, error_size);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    memcpy(faults_dir, faults_file, sizeof faults_dir);
+    slash = strrchr(faults_dir, '/');
+    if (slash != NULL)
+        slash[slash == faults_dir ? 1 : 0] = '\0';
+    pthread_mutex_lock(&fault_lock);
+    set_int(&init_failing, 0);
+    faults_applied = 0;
+    fold_faults_locked();
+    pthread_mutex_unlock(&fault_lock);
     return NVML_SUCCESS;
 }
 
@@ -576,12 +945,19 @@ static nvmlReturn_t init(void)
     nvmlReturn_t ret = NVML_SUCCESS;
     pthread_mutex_lock(&init_lock);
     if (init_count == 0) {
-        ret = data_path(path, sizeof path, error, sizeof error);
+        ret = sibling_path(".sim", path, sizeof path, error, sizeof error);
         if (ret == NVML_SUCCESS)
             ret = load_data(path, error, sizeof error);
+        if (ret == NVML_SUCCESS)
+            ret = load_faults(error, sizeof error);
         if (ret != NVML_SUCCESS)
             fprintf(stderr, "fake libnvidia-ml: %s\n", error);
+    } else {
+        sync_faults();
     }
+    /* Unlike real NVML, a nested nvmlInit fails too: every caller sees the driver gone. */
+    if (ret == NVML_SUCCESS && get_int(&init_failing))
+        ret = NVML_ERROR_DRIVER_NOT_LOADED;
     if (ret == NVML_SUCCESS)
         __atomic_add_fetch(&init_count, 1, __ATOMIC_RELEASE);
     pthread_mutex_unlock(&init_lock);
@@ -628,6 +1004,7 @@ const char *nvmlErrorString(nvmlReturn_t result)
     case NVML_ERROR_NOT_FOUND: return "Not Found";
     case NVML_ERROR_INSUFFICIENT_SIZE: return "Insufficient Size";
     case NVML_ERROR_DRIVER_NOT_LOADED: return "Driver Not Loaded";
+    case NVML_ERROR_TIMEOUT: return "Timeout";
     case NVML_ERROR_GPU_IS_LOST: return "GPU is lost";
     case NVML_ERROR_ARGUMENT_VERSION_MISMATCH: return "Argument version mismatch";
     default: return "Unknown Error";
@@ -844,6 +1221,14 @@ static unsigned long long reserved_bytes(const struct nvmlDevice_st *d)
     return (d->memory_mib / 160) << 20;
 }
 
+/* What applications use (the fault file's telemetry), within what the driver leaves them. */
+static unsigned long long used_bytes(const struct nvmlDevice_st *d)
+{
+    unsigned long long used = get_ull(&d->memory_used_mib) << 20;
+    unsigned long long room = (d->memory_mib << 20) - reserved_bytes(d);
+    return used < room ? used : room;
+}
+
 nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
 {
     struct nvmlDevice_st *d;
@@ -852,7 +1237,7 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
         ret = NVML_ERROR_INVALID_ARGUMENT;
     if (ret == NVML_SUCCESS) {
         memory->total = d->memory_mib << 20;
-        memory->used = reserved_bytes(d);
+        memory->used = reserved_bytes(d) + used_bytes(d);
         memory->free = memory->total - memory->used;
     }
     return ret;
@@ -869,8 +1254,8 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *me
     if (ret == NVML_SUCCESS) {
         memory->total = d->memory_mib << 20;
         memory->reserved = reserved_bytes(d);
-        memory->used = 0;
-        memory->free = memory->total - memory->reserved;
+        memory->used = used_bytes(d);
+        memory->free = memory->total - memory->reserved - memory->used;
     }
     return ret;
 }
@@ -1049,7 +1434,7 @@ nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t device, unsigned int sensor,
     if (ret == NVML_SUCCESS && (temperature == NULL || sensor != NVML_TEMPERATURE_GPU))
         ret = NVML_ERROR_INVALID_ARGUMENT;
     if (ret == NVML_SUCCESS)
-        *temperature = d->temperature_c;
+        *temperature = get_uint(&d->temperature_c);
     return ret;
 }
 
@@ -1060,7 +1445,7 @@ nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t device, unsigned int *milliwat
     if (ret == NVML_SUCCESS && milliwatts == NULL)
         ret = NVML_ERROR_INVALID_ARGUMENT;
     if (ret == NVML_SUCCESS)
-        *milliwatts = d->power_usage_mw;
+        *milliwatts = get_uint(&d->power_usage_mw);
     return ret;
 }
 
@@ -1083,7 +1468,309 @@ nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtilization_
     nvmlReturn_t ret = lookup_gpu(device, &d);
     if (ret == NVML_SUCCESS && utilization == NULL)
         ret = NVML_ERROR_INVALID_ARGUMENT;
+    if (ret == NVML_SUCCESS) {
+        utilization->gpu = get_uint(&d->utilization_gpu);
+        utilization->memory = get_uint(&d->utilization_memory);
+    }
+    return ret;
+}
+
+/* ---- ECC --------------------------------------------------------------------------------- */
+
+/* Ampere and later GPUs remap rows instead of retiring pages. */
+static int remaps_rows(const struct nvmlDevice_st *gpu)
+{
+    return gpu->architecture >= NVML_DEVICE_ARCH_AMPERE &&
+           gpu->architecture != NVML_DEVICE_ARCH_UNKNOWN;
+}
+
+nvmlReturn_t nvmlDeviceGetEccMode(nvmlDevice_t device, unsigned int *current, unsigned int *pending)
+{
+    struct nvmlDevice_st *d;
+    nvmlReturn_t ret = lookup_gpu(device, &d);
+    if (ret == NVML_SUCCESS && (current == NULL || pending == NULL))
+        ret = NVML_ERROR_INVALID_ARGUMENT;
     if (ret == NVML_SUCCESS)
-        *utilization = d->utilization;
+        *current = *pending = NVML_FEATURE_ENABLED;
+    return ret;
+}
+
+/* The fault file is the GPU's whole history, so volatile and aggregate counters agree. */
+nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t device, unsigned int error_type,
+                                         unsigned int counter_type, unsigned long long *count)
+{
+    struct nvmlDevice_st *d;
+    nvmlReturn_t ret = lookup_gpu(device, &d);
+    if (ret == NVML_SUCCESS &&
+        (count == NULL || counter_type > NVML_AGGREGATE_ECC ||
+         (error_type != NVML_MEMORY_ERROR_TYPE_CORRECTED &&
+          error_type != NVML_MEMORY_ERROR_TYPE_UNCORRECTED)))
+        ret = NVML_ERROR_INVALID_ARGUMENT;
+    if (ret == NVML_SUCCESS)
+        *count = get_ull(error_type == NVML_MEMORY_ERROR_TYPE_CORRECTED ? &d->ecc_corrected
+                                                                         : &d->ecc_uncorrected);
+    return ret;
+}
+
+/* One retired page per double-bit error, on GPUs before Ampere. */
+nvmlReturn_t nvmlDeviceGetRetiredPages(nvmlDevice_t device, unsigned int cause,
+                                       unsigned int *count, unsigned long long *addresses)
+{
+    struct nvmlDevice_st *d;
+    unsigned int pages = 0;
+    nvmlReturn_t ret = lookup_gpu(device, &d);
+    if (ret == NVML_SUCCESS && (count == NULL || cause > 1))
+        ret = NVML_ERROR_INVALID_ARGUMENT;
+    if (ret == NVML_SUCCESS && remaps_rows(d))
+        ret = NVML_ERROR_NOT_SUPPORTED;
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (cause == NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR) {
+        unsigned long long dbe = get_ull(&d->ecc_uncorrected);
+        pages = dbe > 64 ? 64 : (unsigned int)dbe;
+    }
+    if (*count < pages || (pages > 0 && addresses == NULL)) {
+        *count = pages;
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    for (unsigned int i = 0; i < pages; i++)
+        addresses[i] = 0x100000ull * (i + 1) + d->index;
+    *count = pages;
+    return NVML_SUCCESS;
+}
+
+/* One remapped row per double-bit error on Ampere and later, pending until the GPU is reset
+ * (which the simulation never does). */
+nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t device, unsigned int *corrected,
+                                       unsigned int *uncorrected, unsigned int *pending,
+                                       unsigned int *failed)
+{
+    struct nvmlDevice_st *d;
+    nvmlReturn_t ret = lookup_gpu(device, &d);
+    if (ret == NVML_SUCCESS &&
+        (corrected == NULL || uncorrected == NULL || pending == NULL || failed == NULL))
+        ret = NVML_ERROR_INVALID_ARGUMENT;
+    if (ret == NVML_SUCCESS && !remaps_rows(d))
+        ret = NVML_ERROR_NOT_SUPPORTED;
+    if (ret == NVML_SUCCESS) {
+        unsigned long long dbe = get_ull(&d->ecc_uncorrected);
+        *corrected = 0;
+        *uncorrected = dbe > UINT_MAX ? UINT_MAX : (unsigned int)dbe;
+        *pending = dbe > 0;
+        *failed = 0;
+    }
+    return ret;
+}
+
+/* ---- Events ------------------------------------------------------------------------------ */
+
+#define EVENT_SET_MAGIC 0x45564e54u
+
+struct nvmlEventSet_st {
+    unsigned int magic;
+    int notify_fd;                       /* inotify watch of the fault file's directory */
+    off_t offset;                        /* the next fault-file byte this set reads */
+    unsigned long long masks[MAX_GPUS];  /* registered event types, by GPU index */
+};
+
+typedef struct nvmlEventSet_st *nvmlEventSet_t;
+
+typedef struct {
+    nvmlDevice_t device;
+    unsigned long long eventType;
+    unsigned long long eventData;
+    unsigned int gpuInstanceId;
+    unsigned int computeInstanceId;
+} nvmlEventData_t;
+
+typedef struct { /* before NVML 11: no instance ids */
+    nvmlDevice_t device;
+    unsigned long long eventType;
+    unsigned long long eventData;
+} nvmlEventData_v1_t;
+
+static int valid_set(const struct nvmlEventSet_st *set)
+{
+    return set != NULL && set->magic == EVENT_SET_MAGIC;
+}
+
+nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *out)
+{
+    struct nvmlEventSet_st *set;
+    if (!initialized())
+        return NVML_ERROR_UNINITIALIZED;
+    if (out == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    set = calloc(1, sizeof *set);
+    if (set == NULL)
+        return NVML_ERROR_UNKNOWN;
+    set->notify_fd = inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
+    /* The directory, not the file: the file need not exist yet. */
+    if (set->notify_fd < 0 ||
+        inotify_add_watch(set->notify_fd, faults_dir, IN_MODIFY | IN_CREATE | IN_MOVED_TO) < 0) {
+        fprintf(stderr, "fake libnvidia-ml: cannot watch %s: %s\n", faults_dir, strerror(errno));
+        if (set->notify_fd >= 0)
+            close(set->notify_fd);
+        free(set);
+        return NVML_ERROR_UNKNOWN;
+    }
+    /* Watch first, then take the end: a line appended in between wakes the set for nothing,
+     * but no line appended later can be missed. */
+    set->offset = faults_size();
+    set->magic = EVENT_SET_MAGIC;
+    *out = set;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set)
+{
+    if (!initialized())
+        return NVML_ERROR_UNINITIALIZED;
+    if (!valid_set(set))
+        return NVML_ERROR_INVALID_ARGUMENT;
+    close(set->notify_fd);
+    set->magic = 0;
+    free(set);
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetSupportedEventTypes(nvmlDevice_t device, unsigned long long *types)
+{
+    struct nvmlDevice_st *d;
+    nvmlReturn_t ret = lookup_gpu(device, &d);
+    if (ret == NVML_SUCCESS && types == NULL)
+        ret = NVML_ERROR_INVALID_ARGUMENT;
+    if (ret == NVML_SUCCESS)
+        *types = SUPPORTED_EVENTS;
+    return ret;
+}
+
+nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t device, unsigned long long types,
+                                      nvmlEventSet_t set)
+{
+    struct nvmlDevice_st *d;
+    nvmlReturn_t ret = lookup_gpu(device, &d);
+    if (ret == NVML_SUCCESS && !valid_set(set))
+        ret = NVML_ERROR_INVALID_ARGUMENT;
+    if (ret == NVML_SUCCESS && (types & ~SUPPORTED_EVENTS) != 0)
+        ret = NVML_ERROR_NOT_SUPPORTED;
+    if (ret == NVML_SUCCESS)
+        set->masks[d->index] |= types;
+    return ret;
+}
+
+static int event_of(const struct nvmlEventSet_st *set, const struct fault *f,
+                    nvmlEventData_t *out)
+{
+    unsigned long long type, data = 0;
+    switch (f->kind) {
+    case FAULT_XID:
+        type = nvmlEventTypeXidCriticalError;
+        data = f->code;
+        break;
+    case FAULT_LOST:
+        type = nvmlEventTypeXidCriticalError;
+        data = XID_GPU_FALLEN_OFF_THE_BUS;
+        break;
+    case FAULT_ECC_DBE:
+        type = nvmlEventTypeDoubleBitEccError;
+        break;
+    case FAULT_ECC_SBE:
+        type = nvmlEventTypeSingleBitEccError;
+        break;
+    default:
+        return 0;
+    }
+    if ((set->masks[f->gpu] & type) == 0)
+        return 0;
+    out->device = &gpus[f->gpu];
+    out->eventType = type;
+    out->eventData = data;
+    out->gpuInstanceId = out->computeInstanceId = NVML_VALUE_NOT_AVAILABLE;
+    if (f->mig != UNSET) {
+        const struct nvmlDevice_st *mig = gpus[f->gpu].migs[f->mig];
+        out->gpuInstanceId = mig->gpu_instance_id;
+        out->computeInstanceId = mig->compute_instance_id;
+    }
+    return 1;
+}
+
+/* The first event for `set` among the lines appended since it last looked, if any. */
+static int next_event(struct nvmlEventSet_st *set, nvmlEventData_t *out)
+{
+    off_t size = faults_size();
+    char *line = NULL, error[256];
+    size_t capacity = 0;
+    struct fault f;
+    FILE *file;
+    int found = 0;
+
+    if (size < set->offset)
+        set->offset = 0; /* replaced: every line of the new file is new */
+    if (size == set->offset || (file = fopen(faults_file, "r")) == NULL)
+        return 0;
+    if (fseeko(file, set->offset, SEEK_SET) == 0)
+        while (!found && next_line(file, &set->offset, &line, &capacity))
+            found = parse_fault(line, &f, error, sizeof error) > 0 && event_of(set, &f, out);
+    free(line);
+    fclose(file);
+    return found;
+}
+
+static long long now_ms(void)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return now.tv_sec * 1000LL + now.tv_nsec / 1000000;
+}
+
+static void drain(int fd)
+{
+    char buffer[4096] __attribute__((aligned(__alignof__(struct inotify_event))));
+    while (read(fd, buffer, sizeof buffer) > 0)
+        continue;
+}
+
+static nvmlReturn_t wait_event(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeout_ms)
+{
+    long long deadline = now_ms() + timeout_ms;
+    if (!initialized())
+        return NVML_ERROR_UNINITIALIZED;
+    if (!valid_set(set) || data == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    for (;;) {
+        sync_faults();
+        if (get_int(&init_failing))
+            return NVML_ERROR_UNKNOWN;
+        if (next_event(set, data))
+            return NVML_SUCCESS;
+        long long left = deadline - now_ms();
+        if (left <= 0)
+            return NVML_ERROR_TIMEOUT;
+        struct pollfd watch = {.fd = set->notify_fd, .events = POLLIN};
+        int ready = poll(&watch, 1, left > INT_MAX ? INT_MAX : (int)left);
+        if (ready < 0 && errno != EINTR)
+            return NVML_ERROR_UNKNOWN;
+        if (ready > 0)
+            drain(set->notify_fd);
+    }
+}
+
+nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeout_ms)
+{
+    return wait_event(set, data, timeout_ms);
+}
+
+nvmlReturn_t nvmlEventSetWait(nvmlEventSet_t set, nvmlEventData_v1_t *data, unsigned int timeout_ms)
+{
+    nvmlEventData_t full;
+    nvmlReturn_t ret = NVML_ERROR_INVALID_ARGUMENT;
+    if (data != NULL)
+        ret = wait_event(set, &full, timeout_ms);
+    if (ret == NVML_SUCCESS) {
+        data->device = full.device;
+        data->eventType = full.eventType;
+        data->eventData = full.eventData;
+    }
     return ret;
 }

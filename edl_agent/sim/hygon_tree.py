@@ -3,12 +3,14 @@
 Like a real server, the node also has a BMC VGA adapter as DRM `card0` (PCI vendor 0x1a03, no
 render node), so DCU `i` is `card<i+1>`: discovery must not equate DCU index and card number.
 The stand-in prints `hy-smi.json` (any `--json` call) or `hy-smi.txt` (no arguments), kept next
-to it; rewrite them to simulate faults.
+to it; rewrite them to simulate faults. Each card carries a designed `DCU State` field (Normal,
+Warning, Fault, Lost) that real hy-smi does not print; `set_dcu_state` rewrites it.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +24,7 @@ PCI_VENDOR = "0x1d94"
 BMC_VGA_BUS = "0000:03:00.0"
 KFD_NODES = "/sys/class/kfd/kfd/topology/nodes"
 SIMD_PER_CU = 4
+_STATE_WORD = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,31}$")
 
 SCRIPT = """#!/bin/sh
 # hy-smi stand-in for a simulated node: prints the recorded output kept next to this script.
@@ -147,6 +150,10 @@ def hy_smi_json(driver_version: str, dcus: list[SimDcu]) -> str:
             "Card Series": dcu.product,
             "vram Total Memory (MiB)": str(dcu.memory_mib),
             "vram Total Used Memory (MiB)": "3",
+            "Temperature (Sensor junction) (C)": f"{38.0 + dcu.index % 4:.1f}",
+            "Average Graphics Package Power (W)": "60.0",
+            "HCU use (%)": "0",
+            "DCU State": "Normal",  # designed: see the module docstring
         }
         for dcu in dcus
     }
@@ -167,3 +174,22 @@ def hy_smi_table(dcus: list[SimDcu]) -> str:
     title = " System Management Interface ".center(86, "=")
     end = " End of SMI Log ".center(86, "=")
     return "\n".join([title, rule, head, *rows, rule, end]) + "\n"
+
+
+def set_dcu_state(root: Path, index: int, state: str) -> None:
+    """Make DCU `index` (hy-smi's `card<index>`) report `state` (Normal, Warning, Fault, Lost,
+    ...) in `hy-smi --json`. ValueError (one line) for a bad argument or a tree without DCUs."""
+    path = root / JSON_OUTPUT.lstrip("/")
+    if not path.is_file():
+        msg = f"{root}: no simulated Hygon DCUs (no {JSON_OUTPUT})"
+        raise ValueError(msg)
+    if not _STATE_WORD.match(state):
+        msg = f"state {state!r}: expected one word, e.g. Fault"
+        raise ValueError(msg)
+    data = json.loads(path.read_text(encoding="utf-8"))
+    card = data.get(f"card{index}") if index >= 0 else None
+    if not isinstance(card, dict):
+        msg = f"{root}: no simulated DCU {index}"
+        raise ValueError(msg)
+    card["DCU State"] = state
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")

@@ -2,10 +2,13 @@
 
 The stand-in is a shell script that prints the recorded output kept next to it
 (`xpu-smi.q.txt` for `-q`, `xpu-smi.L.txt` for `-L`); rewrite those files to simulate faults.
+Each XPU block carries a designed `XPU State` line (Normal, Warning, Fault, Lost) that real
+xpu-smi does not print; `set_xpu_state` rewrites it.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +21,7 @@ LIST_OUTPUT = TOOL + ".L.txt"
 # PCI ids as the recorded P800 output shows them (`Device Id : 0x36862057`: device, vendor).
 PCI_VENDOR = "0x2057"
 PCI_DEVICE = "0x3686"
+_STATE_WORD = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,31}$")
 
 SCRIPT = """#!/bin/sh
 # xpu-smi stand-in for a simulated node: prints the recorded output kept next to this script.
@@ -107,6 +111,7 @@ def xpu_smi_query(driver_version: str, xpus: list[SimXpu]) -> str:
             _kv(1, "Serial Number", xpu.serial_number),
             _kv(1, "XPU UUID", xpu.uuid),
             _kv(1, "Minor Number", str(xpu.index)),
+            _kv(1, "XPU State", "Normal"),  # designed: see the module docstring
             "    PCI",
             _kv(2, "Bus", f"0x{bus}"),
             _kv(2, "Device", f"0x{rest.split('.')[0]}"),
@@ -124,6 +129,11 @@ def xpu_smi_query(driver_version: str, xpus: list[SimXpu]) -> str:
             _kv(3, "DRAM Uncorrectable", "0"),
             "    Temperature",
             _kv(2, "XPU Current Temp", f"{40 + xpu.index % 5} C"),
+            # Power Draw and Xpu as public P800 collectors read them; section names unverified.
+            "    Power Readings",
+            _kv(2, "Power Draw", f"{85.0 + xpu.index * 0.5:.2f} W"),
+            "    Utilization",
+            _kv(2, "Xpu", "0 %"),
             _kv(1, "Processes", "None"),
         ]
     return "\n".join(lines) + "\n"
@@ -133,3 +143,25 @@ def _kv(level: int, key: str, value: str) -> str:
     """A `Key : Value` line; xpu-smi aligns the colons at column 42."""
     indent = "    " * level
     return f"{indent}{key:<{42 - len(indent)}}: {value}"
+
+
+def set_xpu_state(root: Path, index: int, state: str) -> None:
+    """Make XPU `index` (its Minor Number) report `state` (Normal, Warning, Fault, Lost, ...) in
+    `xpu-smi -q`. ValueError (one line) for a bad argument or a tree without simulated XPUs."""
+    path = root / QUERY_OUTPUT.lstrip("/")
+    if not path.is_file():
+        msg = f"{root}: no simulated Kunlunxin XPUs (no {QUERY_OUTPUT})"
+        raise ValueError(msg)
+    if not _STATE_WORD.match(state):
+        msg = f"state {state!r}: expected one word, e.g. Fault"
+        raise ValueError(msg)
+    blocks = re.split(r"(?m)^(?=XPU )", path.read_text(encoding="utf-8"))
+    minor = re.compile(rf"(?m)^\s+Minor Number\s*:\s*{index}\s*$")
+    state_line = re.compile(r"(?m)^(\s+XPU State\s*:\s*)\S+\s*$")
+    for position, block in enumerate(blocks):
+        if index >= 0 and minor.search(block):
+            blocks[position] = state_line.sub(lambda m: m.group(1) + state, block, count=1)
+            path.write_text("".join(blocks), encoding="utf-8")
+            return
+    msg = f"{root}: no simulated XPU {index}"
+    raise ValueError(msg)

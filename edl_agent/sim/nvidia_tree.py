@@ -1,7 +1,8 @@
 """The NVIDIA part of a simulated node: the fake NVML library and its data, device nodes, sysfs.
 
 The library is copied to `/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1` and reads
-`libnvidia-ml.so.1.sim` next to it; the record format is described at the top of fake_nvml.c.
+`libnvidia-ml.so.1.sim` next to it, and faults from the append-only `libnvidia-ml.so.1.faults`
+(see edl_agent/sim/inject.py); both formats are described at the top of fake_nvml.c.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from edl_agent.sim.tree import VENDOR_SLOT, write_file
 
 LIBRARY = "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1"
 DATA = LIBRARY + ".sim"
+FAULTS = LIBRARY + ".faults"
 CONTROL_NODES = (
     "/dev/nvidiactl",
     "/dev/nvidia-uvm",
@@ -69,6 +71,7 @@ def write(spec: NvidiaSpec, profile: Profile, root: Path) -> None:
     gpus = simulated_gpus(spec, profile)
     install_library(root)
     write_file(root, DATA, render_data(spec, gpus))
+    (root / FAULTS.lstrip("/")).unlink(missing_ok=True)  # a rebuilt node starts without faults
     for gpu in gpus:
         write_file(root, f"/dev/nvidia{gpu.index}", mode=0o666)
         sysfs = f"/sys/bus/pci/devices/{gpu.bus_id}"

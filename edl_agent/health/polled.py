@@ -1,0 +1,373 @@
+"""Polled health for vendors without an event API: Kunlunxin (`xpu-smi`), Hygon (`hy-smi`) and
+Ascend (`npu-smi`).
+
+A poll runs the vendor's tool once (Ascend: once more per chip whose Health is not OK, for its
+fault codes), and reports the state it read, not changes:
+
+- `events`: one HealthEvent per device that is not OK right now (its most severe finding; the
+  detail lists the others). A device that reads OK gets no event.
+- `checked`: the ids of the devices whose state this poll read. A device in `checked` without an
+  event is OK now: whatever it reported before is over (`clears` turns that into cleared events).
+- When the tool cannot be run or its output cannot be read, the poll reports one vendor-level
+  event (`device_id` None, reason `<TOOL>_FAILED`, level WARN) and checks no device: the devices
+  keep their last state, because a broken tool says nothing about the hardware.
+
+Device-node presence is checked elsewhere (health.presence); a device the tool no longer lists
+is reported here (`<KIND>_NOT_REPORTED`, DEVICE_FATAL), as discovery does.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Protocol
+
+from edl_agent.config import HealthSettings
+from edl_agent.devices import ascend, hygon, kunlunxin
+from edl_agent.devices.hostroot import HostRoot, ToolError
+from edl_agent.devices.model import Device, Vendor
+from edl_agent.health.classify import (
+    ASCEND_CODE_TYPES,
+    classify_device_state,
+    classify_ecc_dbe,
+    classify_npu_fault,
+    format_ascend_code,
+    most_severe,
+)
+from edl_agent.health.model import DeviceTelemetry, HealthEvent, Level
+
+# A tool that hangs must not stall the poller for long; a healthy one answers in well under this.
+TOOL_TIMEOUT_SECONDS = 5.0
+
+Clock = Callable[[], float]
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
+
+
+@dataclass(frozen=True)
+class PollResult:
+    vendor: Vendor
+    at: float
+    ok: bool
+    """False when the tool failed: `events` holds the `<TOOL>_FAILED` event, `checked` is empty."""
+    events: list[HealthEvent] = field(default_factory=list)
+    telemetry: list[DeviceTelemetry] = field(default_factory=list)
+    checked: frozenset[str] = frozenset()
+
+
+class Poller(Protocol):
+    def __call__(
+        self,
+        root: HostRoot,
+        devices: Sequence[Device],
+        settings: HealthSettings,
+        *,
+        clock: Clock = ...,
+    ) -> PollResult: ...
+
+
+@dataclass(frozen=True)
+class _Finding:
+    level: Level
+    reason: str
+    detail: str
+    code: int | None = None
+
+
+def poll_kunlunxin(
+    root: HostRoot,
+    devices: Sequence[Device],
+    settings: HealthSettings,
+    *,
+    clock: Clock = time.monotonic,
+) -> PollResult:
+    """Read `xpu-smi -q` once: per XPU its (designed) `XPU State`, volatile DRAM ECC counts and
+    live figures. `settings` has no Kunlunxin overrides; it is taken for a uniform signature."""
+    at = clock()
+    mine = _of(devices, Vendor.KUNLUNXIN)
+    tool = root.which(kunlunxin.TOOL)
+    try:
+        if tool is None:
+            raise ToolError(f"{kunlunxin.TOOL} not found under the host root")
+        report = kunlunxin.parse_xpu_smi_query(
+            root.run_tool(tool, kunlunxin.QUERY_ARGS, timeout=TOOL_TIMEOUT_SECONDS)
+        )
+    except ToolError as exc:
+        return _failed(Vendor.KUNLUNXIN, "XPU_SMI_FAILED", str(exc), at)
+    except kunlunxin.XpuSmiParseError as exc:
+        detail = _unexpected(kunlunxin.TOOL, kunlunxin.QUERY_ARGS, exc)
+        return _failed(Vendor.KUNLUNXIN, "XPU_SMI_FAILED", detail, at)
+    records = kunlunxin.records_by_index(report)
+    result = _Builder(Vendor.KUNLUNXIN, at)
+    for device in mine:
+        record = records.get(device.index)
+        if record is None:
+            result.missing(device, "XPU_NOT_REPORTED", f"{kunlunxin.TOOL} does not list it")
+            continue
+        findings = []
+        if record.state is not None:
+            level = classify_device_state(record.state)
+            if level is not None:
+                findings.append(
+                    _Finding(level, f"XPU_STATE_{_safe(record.state)}", f"state {record.state}")
+                )
+        if record.ecc_uncorrected:
+            detail = f"{record.ecc_uncorrected} uncorrectable DRAM ECC errors since driver load"
+            findings.append(_Finding(classify_ecc_dbe(), "XPU_ECC_DBE", detail))
+        result.device(device, findings)
+        result.telemetry.append(
+            DeviceTelemetry(
+                device_id=device.id,
+                temperature_c=record.temperature_c,
+                power_w=record.power_w,
+                utilization_percent=record.utilization_percent,
+                memory_used_mib=record.memory_used_mib,
+                memory_total_mib=float(record.memory_mib) if record.memory_mib else None,
+                ecc_corrected_total=record.ecc_corrected,
+                ecc_uncorrected_total=record.ecc_uncorrected,
+            )
+        )
+    return result.done()
+
+
+def poll_hygon(
+    root: HostRoot,
+    devices: Sequence[Device],
+    settings: HealthSettings,
+    *,
+    clock: Clock = time.monotonic,
+) -> PollResult:
+    """Read `hy-smi <STATUS_ARGS> --json` once: per DCU its (designed) `DCU State` and live
+    figures. `settings` has no Hygon overrides; it is taken for a uniform signature."""
+    at = clock()
+    mine = _of(devices, Vendor.HYGON)
+    tool = root.which(hygon.TOOL)
+    try:
+        if tool is None:
+            raise ToolError(f"{hygon.TOOL} not found under the host root")
+        statuses = hygon.parse_hy_smi_status(
+            root.run_tool(tool, hygon.STATUS_ARGS, timeout=TOOL_TIMEOUT_SECONDS)
+        )
+    except ToolError as exc:
+        return _failed(Vendor.HYGON, "HY_SMI_FAILED", str(exc), at)
+    except hygon.HySmiParseError as exc:
+        detail = _unexpected(hygon.TOOL, hygon.STATUS_ARGS, exc)
+        return _failed(Vendor.HYGON, "HY_SMI_FAILED", detail, at)
+    # hy-smi's card<i> is the DCU index; its PCI address, when printed, is the surer match.
+    by_bus = {status.bus_id: status for status in statuses.values() if status.bus_id}
+    result = _Builder(Vendor.HYGON, at)
+    for device in mine:
+        status = by_bus.get(device.pci_bus_id or "") or (
+            None if by_bus else statuses.get(device.index)
+        )
+        if status is None:
+            result.missing(device, "DCU_NOT_REPORTED", f"{hygon.TOOL} does not list it")
+            continue
+        findings = []
+        if status.state is not None:
+            level = classify_device_state(status.state)
+            if level is not None:
+                findings.append(
+                    _Finding(level, f"DCU_STATE_{_safe(status.state)}", f"state {status.state}")
+                )
+        result.device(device, findings)
+        result.telemetry.append(
+            DeviceTelemetry(
+                device_id=device.id,
+                temperature_c=status.temperature_c,
+                power_w=status.power_w,
+                utilization_percent=status.utilization_percent,
+                memory_used_mib=status.memory_used_mib,
+                memory_total_mib=status.memory_total_mib
+                or (float(device.memory_mib) if device.memory_mib else None),
+            )
+        )
+    return result.done()
+
+
+def poll_ascend(
+    root: HostRoot,
+    devices: Sequence[Device],
+    settings: HealthSettings,
+    *,
+    clock: Clock = time.monotonic,
+) -> PollResult:
+    """Read `npu-smi info` once, and `npu-smi info -t health -i <npu> -c <chip>` for each chip
+    whose Health is not OK: its fault codes decide the level (`health.ascend_code_levels`
+    overrides the table). When that second query fails the Health word alone decides."""
+    at = clock()
+    mine = _of(devices, Vendor.ASCEND)
+    tool = root.which(ascend.TOOL)
+    try:
+        if tool is None:
+            raise ToolError(f"{ascend.TOOL} not found under the host root")
+        info = ascend.parse_npu_smi_info(
+            root.run_tool(tool, ascend.QUERY_ARGS, timeout=TOOL_TIMEOUT_SECONDS)
+        )
+    except ToolError as exc:
+        return _failed(Vendor.ASCEND, "NPU_SMI_FAILED", str(exc), at)
+    except ascend.NpuSmiParseError as exc:
+        detail = _unexpected(ascend.TOOL, ascend.QUERY_ARGS, exc)
+        return _failed(Vendor.ASCEND, "NPU_SMI_FAILED", detail, at)
+    records = {record.index: record for record in info.npus}
+    result = _Builder(Vendor.ASCEND, at)
+    for device in mine:
+        record = records.get(device.index)
+        if record is None:
+            result.missing(device, "NPU_NOT_REPORTED", f"{ascend.TOOL} does not list it")
+            continue
+        findings = []
+        if record.health.strip().upper() != "OK":
+            finding = _npu_finding(root, tool, record, settings)
+            if finding is not None:
+                findings.append(finding)
+        result.device(device, findings)
+        result.telemetry.append(
+            DeviceTelemetry(
+                device_id=device.id,
+                temperature_c=record.temperature_c,
+                power_w=record.power_w,
+                utilization_percent=record.aicore_percent,
+                memory_used_mib=record.memory_used_mib,
+                memory_total_mib=float(record.memory_mib) if record.memory_mib else None,
+            )
+        )
+    return result.done()
+
+
+POLLERS: Mapping[Vendor, Poller] = {
+    Vendor.KUNLUNXIN: poll_kunlunxin,
+    Vendor.HYGON: poll_hygon,
+    Vendor.ASCEND: poll_ascend,
+}
+
+
+def poll(
+    vendor: Vendor,
+    root: HostRoot,
+    devices: Sequence[Device],
+    settings: HealthSettings,
+    *,
+    clock: Clock = time.monotonic,
+) -> PollResult:
+    """Poll `vendor` (one of POLLERS; NVIDIA reports through NVML events instead)."""
+    poller = POLLERS.get(vendor)
+    if poller is None:
+        msg = f"no polled health for {vendor.value}"
+        raise ValueError(msg)
+    return poller(root, devices, settings, clock=clock)
+
+
+def clears(active: Mapping[str | None, HealthEvent], result: PollResult) -> list[HealthEvent]:
+    """Cleared events for what `result` shows is over.
+
+    `active` holds the last event still in force per device id (None for the vendor-level tool
+    event) from earlier polls of the same vendor. A device's condition is over when this poll
+    checked the device and reported nothing for it; the tool event is over when the tool worked.
+    """
+    reported = {event.device_id for event in result.events}
+    over = [
+        event
+        for device_id, event in active.items()
+        if device_id not in reported
+        and (device_id in result.checked if device_id is not None else result.ok)
+    ]
+    return [replace(event, cleared=True, at=result.at) for event in over]
+
+
+def _npu_finding(
+    root: HostRoot, tool: Path, record: ascend.NpuRecord, settings: HealthSettings
+) -> _Finding | None:
+    health, note = record.health, ""
+    codes: tuple[int, ...] = ()
+    args = [arg.format(npu=record.npu_id, chip=record.chip_id) for arg in ascend.HEALTH_ARGS]
+    try:
+        detail = ascend.parse_npu_smi_health(
+            root.run_tool(tool, args, timeout=TOOL_TIMEOUT_SECONDS)
+        )
+    except ToolError as exc:
+        note = f"; fault codes unknown: {exc}"
+    except ascend.NpuSmiParseError as exc:
+        note = f"; fault codes unknown: {_unexpected(ascend.TOOL, args, exc)}"
+    else:
+        health, codes = detail.health, detail.codes
+        if detail.information:
+            note = f": {detail.information}"
+    level, code = classify_npu_fault(health, codes, settings.ascend_code_levels)
+    if level is None:
+        return None
+    listed = ", ".join(_describe_code(c) for c in codes)
+    text = f"health {health}" + (f", fault codes {listed}" if listed else "") + note
+    if code is None:
+        return _Finding(level, f"NPU_HEALTH_{_safe(health)}", text)
+    return _Finding(level, f"NPU_FAULT_{format_ascend_code(code)}", text, code)
+
+
+def _describe_code(code: int) -> str:
+    fault_type = ASCEND_CODE_TYPES.get(code)
+    name = format_ascend_code(code)
+    return f"{name} ({fault_type.value})" if fault_type is not None else name
+
+
+class _Builder:
+    def __init__(self, vendor: Vendor, at: float) -> None:
+        self.vendor = vendor
+        self.at = at
+        self.events: list[HealthEvent] = []
+        self.telemetry: list[DeviceTelemetry] = []
+        self.checked: set[str] = set()
+
+    def device(self, device: Device, findings: list[_Finding]) -> None:
+        self.checked.add(device.id)
+        if not findings:
+            return
+        worst_level = most_severe(f.level for f in findings)
+        worst = next(f for f in findings if f.level is worst_level)
+        detail = "; ".join(f.detail for f in findings)
+        self.events.append(
+            HealthEvent(
+                vendor=self.vendor,
+                device_id=device.id,
+                reason=worst.reason,
+                level=worst.level,
+                at=self.at,
+                detail=detail,
+                code=worst.code,
+            )
+        )
+
+    def missing(self, device: Device, reason: str, detail: str) -> None:
+        self.device(device, [_Finding(Level.DEVICE_FATAL, reason, detail)])
+
+    def done(self) -> PollResult:
+        return PollResult(
+            vendor=self.vendor,
+            at=self.at,
+            ok=True,
+            events=self.events,
+            telemetry=self.telemetry,
+            checked=frozenset(self.checked),
+        )
+
+
+def _failed(vendor: Vendor, reason: str, detail: str, at: float) -> PollResult:
+    event = HealthEvent(
+        vendor=vendor, device_id=None, reason=reason, level=Level.WARN, at=at, detail=detail
+    )
+    return PollResult(vendor=vendor, at=at, ok=False, events=[event])
+
+
+def _unexpected(tool: str, args: Sequence[str], exc: Exception) -> str:
+    return f"{tool} {' '.join(args)}: unexpected output: {exc}"
+
+
+def _of(devices: Sequence[Device], vendor: Vendor) -> list[Device]:
+    return [device for device in devices if device.vendor is vendor and device.parent is None]
+
+
+def _safe(word: str) -> str:
+    """A vendor word as part of a reason (reasons name metric labels): no blanks or symbols."""
+    return _UNSAFE.sub("_", word.strip()) or "unknown"

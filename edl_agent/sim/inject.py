@@ -1,0 +1,230 @@
+"""Fault injection into a simulated node (what `edl-agent simulate inject` runs).
+
+NVIDIA faults are lines appended to the fake NVML library's fault file,
+`/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1.faults` (format at the top of fake_nvml.c): an
+agent waiting in nvmlEventSetWait wakes within milliseconds. Removing a device node works for
+every vendor. Errors are ValueErrors with a one-line message naming the tree and the problem.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from edl_agent.devices.hostroot import HostRoot
+from edl_agent.devices.model import Vendor
+from edl_agent.sim import ascend_tree, hygon_tree, kunlunxin_tree, nvidia_tree
+
+MAX_XID = 2**32 - 1
+
+# Files that only a tree with that vendor's devices has.
+_VENDOR_MARKERS = {
+    Vendor.NVIDIA: (nvidia_tree.DATA, "/dev/nvidiactl"),
+    Vendor.KUNLUNXIN: ("/dev/xpuctrl", kunlunxin_tree.TOOL),
+    Vendor.HYGON: ("/dev/kfd", hygon_tree.TOOL),
+    Vendor.ASCEND: ("/dev/davinci_manager", ascend_tree.TOOL),
+}
+
+
+def fault_file(root: Path) -> Path:
+    return root / nvidia_tree.FAULTS.lstrip("/")
+
+
+def inject_xid(root: Path, gpu_index: int, code: int, *, mig_index: int | None = None) -> None:
+    """An XID critical error on a GPU, or attributed to one of its MIG devices."""
+    gpu = _gpu(root, gpu_index)
+    if not 1 <= code <= MAX_XID:
+        msg = f"XID code must be between 1 and {MAX_XID}, got {code}"
+        raise ValueError(msg)
+    fields = f"gpu={gpu_index} code={code}"
+    if mig_index is not None:
+        if not 0 <= mig_index < gpu.mig_devices:
+            have = f"MIG devices 0-{gpu.mig_devices - 1}" if gpu.mig_devices else "no MIG devices"
+            msg = f"{root}: NVIDIA GPU {gpu_index} has no MIG device {mig_index} ({have})"
+            raise ValueError(msg)
+        fields += f" mig={mig_index}"
+    _append(root, f"xid {fields}")
+
+
+def inject_ecc_dbe(root: Path, gpu_index: int) -> None:
+    """A double-bit (uncorrectable) ECC error: an event, and the uncorrected counters go up."""
+    _gpu(root, gpu_index)
+    _append(root, f"ecc_dbe gpu={gpu_index}")
+
+
+def inject_ecc_sbe(root: Path, gpu_index: int) -> None:
+    """A single-bit (corrected) ECC error: an event, and the corrected counters go up."""
+    _gpu(root, gpu_index)
+    _append(root, f"ecc_sbe gpu={gpu_index}")
+
+
+def inject_lost(root: Path, gpu_index: int) -> None:
+    """The GPU falls off the bus: an XID 79 event, then every NVML query on it fails."""
+    _gpu(root, gpu_index)
+    _append(root, f"lost gpu={gpu_index}")
+
+
+def inject_recover(root: Path, gpu_index: int) -> None:
+    """A lost GPU answers again (as after a reset)."""
+    _gpu(root, gpu_index)
+    _append(root, f"recover gpu={gpu_index}")
+
+
+def set_nvml_init_failure(root: Path, on: bool) -> None:
+    """While on, nvmlInit fails (driver not loaded) and pending event waits return an error."""
+    _nvidia_gpus(root)
+    _append(root, f"init_fail {'on' if on else 'off'}")
+
+
+def set_gpu_telemetry(
+    root: Path,
+    gpu_index: int,
+    *,
+    temperature_c: int | None = None,
+    power_w: int | None = None,
+    utilization_percent: int | None = None,
+    memory_used_mib: int | None = None,
+) -> None:
+    """What the GPU's telemetry queries answer from now on (fields left None keep theirs)."""
+    _gpu(root, gpu_index)
+    values = {
+        "temperature_c": temperature_c,
+        "power_w": power_w,
+        "utilization": utilization_percent,
+        "memory_used_mib": memory_used_mib,
+    }
+    given = {key: value for key, value in values.items() if value is not None}
+    if not given:
+        msg = "no telemetry value given"
+        raise ValueError(msg)
+    if any(value < 0 for value in given.values()):
+        msg = "telemetry values cannot be negative"
+        raise ValueError(msg)
+    if given.get("utilization", 0) > 100:
+        msg = f"utilization is a percentage, got {utilization_percent}"
+        raise ValueError(msg)
+    _append(root, " ".join([f"telemetry gpu={gpu_index}", *(f"{k}={v}" for k, v in given.items())]))
+
+
+def remove_device_node(root: Path, vendor: Vendor | str, index: int) -> list[str]:
+    """Delete device `index`'s own /dev node(s) (shared control nodes stay); the host paths
+    removed. NVIDIA `/dev/nvidia<minor>`, Kunlunxin `/dev/xpu<N>`, Ascend `/dev/davinci<N>`,
+    Hygon the DCU's `/dev/dri/card<N>` and `/dev/dri/renderD<M>`."""
+    host = _tree(root)
+    kind = _vendor(vendor)
+    if not any(host.exists(marker) for marker in _VENDOR_MARKERS[kind]):
+        msg = f"{root}: the simulated node has no {kind.value} devices"
+        raise ValueError(msg)
+    if index < 0:
+        msg = f"device index must be 0 or more, got {index}"
+        raise ValueError(msg)
+    nodes = _own_nodes(root, host, kind, index)
+    missing = [node for node in nodes if not host.exists(node)]
+    if missing:
+        msg = (
+            f"{root}: {', '.join(missing)} does not exist: {kind.value} device {index} has no "
+            "such node or it was already removed"
+        )
+        raise ValueError(msg)
+    for node in nodes:
+        host.path(node).unlink()
+    return nodes
+
+
+@dataclass(frozen=True)
+class _SimGpu:
+    index: int
+    minor: int
+    mig_devices: int
+
+
+def _tree(root: Path) -> HostRoot:
+    if not root.is_dir():
+        msg = f"no simulated node at {root} (build one with `edl-agent simulate build`)"
+        raise ValueError(msg)
+    return HostRoot.at(root)
+
+
+def _vendor(vendor: Vendor | str) -> Vendor:
+    try:
+        return Vendor(vendor)
+    except ValueError:
+        names = ", ".join(v.value for v in Vendor)
+        msg = f"unknown vendor {vendor!r} (one of {names})"
+        raise ValueError(msg) from None
+
+
+def _nvidia_gpus(root: Path) -> dict[int, _SimGpu]:
+    """The GPUs of the tree's fake NVML data file, by index."""
+    data = _tree(root).path(nvidia_tree.DATA)
+    try:
+        text = data.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        msg = f"{root}: the simulated node has no NVIDIA GPUs (no {nvidia_tree.DATA})"
+        raise ValueError(msg) from None
+    except OSError as exc:
+        msg = f"{root}: cannot read {nvidia_tree.DATA}: {exc.strerror or exc}"
+        raise ValueError(msg) from exc
+    gpus: dict[int, _SimGpu] = {}
+    for line in text.splitlines():
+        kind, *pairs = line.split("\t")
+        fields = dict(pair.partition("=")[::2] for pair in pairs)
+        try:
+            if kind == "gpu":
+                index = int(fields["index"])
+                gpus[index] = _SimGpu(index, int(fields.get("minor", index)), 0)
+            elif kind == "mig":
+                parent = gpus[int(fields["gpu"])]
+                gpus[parent.index] = _SimGpu(parent.index, parent.minor, parent.mig_devices + 1)
+        except (KeyError, ValueError):
+            msg = f"{root}: {nvidia_tree.DATA} is malformed: {line.strip()[:80]!r}"
+            raise ValueError(msg) from None
+    return gpus
+
+
+def _gpu(root: Path, index: int) -> _SimGpu:
+    gpus = _nvidia_gpus(root)
+    if index not in gpus:
+        have = f"GPUs 0-{max(gpus)}" if gpus else "no GPUs"
+        msg = f"{root}: no NVIDIA GPU {index} (the node has {have})"
+        raise ValueError(msg)
+    return gpus[index]
+
+
+def _append(root: Path, line: str) -> None:
+    path = fault_file(root)
+    # One write() of a whole line on an O_APPEND descriptor: a reader never sees half a fault.
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def _own_nodes(root: Path, host: HostRoot, vendor: Vendor, index: int) -> list[str]:
+    if vendor is Vendor.NVIDIA:
+        gpus = _nvidia_gpus(root) if host.exists(nvidia_tree.DATA) else {}
+        minor = gpus[index].minor if index in gpus else index
+        return [f"/dev/nvidia{minor}"]
+    if vendor is Vendor.KUNLUNXIN:
+        return [f"/dev/xpu{index}"]
+    if vendor is Vendor.ASCEND:
+        return [f"/dev/davinci{index}"]
+    return _hygon_nodes(root, host, index)
+
+
+def _hygon_nodes(root: Path, host: HostRoot, index: int) -> list[str]:
+    """DCU `index` is the index-th Hygon DRM card in card-number order, as discovery counts."""
+    cards = [
+        card
+        for card in host.glob("/sys/class/drm", "card*")
+        if (host.read_optional(f"{card}/device/vendor") or "").lower() == hygon_tree.PCI_VENDOR
+    ]
+    if index >= len(cards):
+        have = f"DCUs 0-{len(cards) - 1}" if cards else "no DCUs in sysfs"
+        msg = f"{root}: no Hygon DCU {index} (the node has {have})"
+        raise ValueError(msg)
+    card = cards[index]
+    renders = host.glob(f"{card}/device/drm", "renderD*")
+    return [f"/dev/dri/{name.rsplit('/', 1)[-1]}" for name in [card, *renders]]

@@ -1,0 +1,132 @@
+"""`edl-agent simulate inject`: put a fault into a simulated node while an agent runs on it."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+from edl_agent.devices.hostroot import HostRoot
+from edl_agent.devices.model import Vendor
+from edl_agent.errors import UsageError
+from edl_agent.sim import ascend_tree, hygon_tree, inject, kunlunxin_tree
+
+HEX_CODE = re.compile(r"^(0[xX])?[0-9a-fA-F]{8}$")
+
+DESCRIPTION = """\
+Inject a fault into the simulated node under DIR (built by `simulate build`, or the temporary
+tree a `--simulate` agent logs). NVIDIA faults go through the fake NVML library's fault file and
+reach a running agent as NVML events; --remove deletes the device's /dev node (any vendor);
+--health sets what the vendor tool reports for an NPU/XPU/DCU on its next poll.
+"""
+
+HEALTH_HELP = (
+    "NPU: a Health word (OK, Warning, Alarm, Critical) or a fault code such as 0x80E01801; "
+    "XPU/DCU: a state (Normal, Warning, Fault, Lost)"
+)
+
+
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser(
+        "inject",
+        help="inject a fault into a simulated node",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("directory", metavar="DIR", type=Path, help="the simulated node's root")
+    parser.add_argument("--device", type=int, required=True, metavar="N", help="device index")
+    parser.add_argument(
+        "--vendor",
+        choices=[v.value for v in Vendor],
+        help="which vendor's device N (default: the only vendor, or nvidia for GPU faults)",
+    )
+    fault = parser.add_mutually_exclusive_group(required=True)
+    fault.add_argument("--xid", type=int, metavar="CODE", help="an NVIDIA XID event, e.g. 79")
+    fault.add_argument("--ecc-dbe", action="store_true", help="an NVIDIA double-bit ECC error")
+    fault.add_argument("--lost", action="store_true", help="the GPU falls off the bus")
+    fault.add_argument("--recover", action="store_true", help="a lost GPU answers again")
+    fault.add_argument(
+        "--nvml-init-fail",
+        choices=("on", "off"),
+        help="make NVML fail to initialise (and break the event loop) until off",
+    )
+    fault.add_argument("--remove", action="store_true", help="delete the device's /dev node")
+    fault.add_argument("--health", metavar="CODE", help=HEALTH_HELP)
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _inject(args)
+    except ValueError as exc:  # the inject functions explain bad input in one line
+        raise UsageError(str(exc)) from None
+
+
+def _inject(args: argparse.Namespace) -> int:
+    root: Path = args.directory
+    if not root.is_dir():
+        msg = f"{root}: not a directory (build one with `edl-agent simulate build`)"
+        raise ValueError(msg)
+    index: int = args.device
+    if args.xid is not None:
+        inject.inject_xid(root, index, args.xid)
+        done = f"XID {args.xid} on GPU {index}"
+    elif args.ecc_dbe:
+        inject.inject_ecc_dbe(root, index)
+        done = f"double-bit ECC error on GPU {index}"
+    elif args.lost:
+        inject.inject_lost(root, index)
+        done = f"GPU {index} lost"
+    elif args.recover:
+        inject.inject_recover(root, index)
+        done = f"GPU {index} recovered"
+    elif args.nvml_init_fail is not None:
+        inject.set_nvml_init_failure(root, args.nvml_init_fail == "on")
+        done = f"NVML initialisation failure {args.nvml_init_fail}"
+    elif args.remove:
+        vendor = Vendor(args.vendor) if args.vendor else _only_vendor(root)
+        removed = inject.remove_device_node(root, vendor, index)
+        done = f"removed {', '.join(removed)}"
+    else:
+        vendor = Vendor(args.vendor) if args.vendor else _only_vendor(root, polled=True)
+        _set_health(root, vendor, index, args.health)
+        done = f"{vendor.value} device {index} reports {args.health}"
+    print(f"injected: {done} under {root}")
+    return 0
+
+
+def _set_health(root: Path, vendor: Vendor, index: int, code: str) -> None:
+    if vendor is Vendor.ASCEND:
+        if HEX_CODE.match(code):
+            ascend_tree.set_npu_health(root, index, "Critical", fault_codes=(code,))
+        else:
+            ascend_tree.set_npu_health(root, index, code)
+    elif vendor is Vendor.KUNLUNXIN:
+        kunlunxin_tree.set_xpu_state(root, index, code)
+    elif vendor is Vendor.HYGON:
+        hygon_tree.set_dcu_state(root, index, code)
+    else:
+        msg = "--health is for NPU/XPU/DCU; use --xid, --ecc-dbe or --lost for NVIDIA GPUs"
+        raise ValueError(msg)
+
+
+def _only_vendor(root: Path, *, polled: bool = False) -> Vendor:
+    host = HostRoot.at(root)
+    present = [
+        vendor
+        for vendor, pattern in (
+            (Vendor.NVIDIA, "nvidia[0-9]*"),
+            (Vendor.KUNLUNXIN, "xpu[0-9]*"),
+            (Vendor.ASCEND, "davinci[0-9]*"),
+        )
+        if host.glob("/dev", pattern)
+    ]
+    if host.exists(hygon_tree.TOOL):
+        present.append(Vendor.HYGON)
+    if polled:
+        present = [v for v in present if v is not Vendor.NVIDIA]
+    if len(present) != 1:
+        found = ", ".join(v.value for v in present) or "none"
+        msg = f"{root}: say which vendor with --vendor (vendors found: {found})"
+        raise ValueError(msg)
+    return present[0]
