@@ -15,6 +15,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import structlog
 
@@ -25,10 +26,15 @@ from edl_agent.devices.model import Device, Health, Inventory, Vendor
 from edl_agent.devices.resources import advertised_resources
 from edl_agent.health.classify import classify_xid
 from edl_agent.health.model import DeviceTelemetry, HealthEvent, Level
+from edl_agent.health.nvml_telemetry import NvmlTelemetry
 from edl_agent.health.nvml_watch import GPU_LOST, NvmlWatcher
 from edl_agent.health.polled import POLLERS, poll
 from edl_agent.health.presence import vanished
 from edl_agent.health.tracker import Condition, HealthTracker, Transition
+from edl_agent.metrics.collectors import EdlCollector, build_registry
+from edl_agent.metrics.inputs import AgentCounts, HealthCounts
+from edl_agent.metrics.podresources import PodResourcesClient
+from edl_agent.metrics.server import MetricsServer
 from edl_agent.plugin.manager import PluginManager
 from edl_agent.plugin.state import DeviceState
 
@@ -75,6 +81,9 @@ class Agent:
             due=time.monotonic() + self.settings.plugin.rediscover_seconds,
         )
         self._ready = threading.Event()
+        self.metrics: MetricsServer | None = None
+        self._pods = PodResourcesClient(Path(self.settings.pod_resources_socket))
+        self._nvml_telemetry: NvmlTelemetry | None = None
 
     def run(self) -> None:
         """Run until `stop` is set; then stop the watchers and servers and remove our sockets."""
@@ -95,7 +104,62 @@ class Agent:
                 self.nvml.stop()
             self.state.close()
             self.plugins.close()
+            self.stop_metrics()
             self._log.info("agent stopped")
+
+    def start_metrics(self) -> None:
+        """Serve /metrics, /healthz and /readyz; OSError when the address cannot be bound."""
+        if not self.settings.metrics_addr:
+            return
+        if any(r.vendor is Vendor.NVIDIA for r in self.state.snapshot().inventory.reports):
+            self._nvml_telemetry = NvmlTelemetry(self.root)
+        collector = EdlCollector(
+            snapshot=self.state.snapshot,
+            telemetry=self._telemetry,
+            health_counts=self._health_counts,
+            agent_counts=self._agent_counts,
+            pods=lambda: self._pods.pod_devices(self.state.snapshot().units),
+        )
+        self.metrics = MetricsServer(
+            self.settings.metrics_addr, build_registry(collector), ready=self.ready
+        )
+        self.metrics.start()
+        self._log.info("serving metrics", url=f"{self.metrics.url}/metrics")
+
+    def stop_metrics(self) -> None:
+        if self.metrics is not None:
+            self.metrics.stop()
+            self.metrics = None
+        if self._nvml_telemetry is not None:
+            self._nvml_telemetry.close()
+            self._nvml_telemetry = None
+        self._pods.close()
+
+    def _telemetry(self) -> list[DeviceTelemetry]:
+        figures = self._nvml_telemetry.read() if self._nvml_telemetry is not None else []
+        for vendor_figures in list(self.polled_telemetry.values()):
+            figures.extend(vendor_figures)
+        return figures
+
+    def _health_counts(self) -> HealthCounts:
+        with self._health_lock:
+            counts = self.tracker.counts
+            return HealthCounts(
+                xid_errors=dict(counts.xid_errors),
+                transitions=dict(counts.transitions),
+                events=dict(counts.events),
+            )
+
+    def _agent_counts(self) -> AgentCounts:
+        plugin = self.plugins.counters
+        return AgentCounts(
+            discovery_seconds=self.discovery_seconds,
+            nvml_event_loop_restarts=self.nvml.restarts if self.nvml is not None else 0,
+            registrations=plugin.registrations,
+            registration_failures=plugin.registration_failures,
+            plugin_server_restarts=plugin.server_restarts,
+            step_failures=dict(self.step_failures),
+        )
 
     def wait_ready(self, timeout: float) -> bool:
         """True once the first tick has served every resource (for embedding and tests)."""

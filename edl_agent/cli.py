@@ -31,6 +31,7 @@ from edl_agent.sim.profile import ProfileError, load_profile, profile_names
 
 EXIT_USAGE = 2
 KUBELET_DIR = "/var/lib/kubelet/device-plugins"
+POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 
 DESCRIPTION = """\
 edl-agent discovers the accelerators of a Kubernetes node (NVIDIA GPUs with MIG, Kunlunxin XPUs,
@@ -212,10 +213,11 @@ def node_settings(args: argparse.Namespace) -> Iterator[Settings]:
         return
     profile = load_profile(args.simulate)
     with tempfile.TemporaryDirectory(prefix=f"edl-sim-{profile.name}-") as tmp:
-        # A simulated host has its own kubelet directory unless one is configured.
+        # A simulated host has its own kubelet directories unless they are configured.
         defaults = {**profile.config}
         plugin_defaults = {"kubelet_dir": f"{tmp}{KUBELET_DIR}", **defaults.get("plugin", {})}
         defaults["plugin"] = plugin_defaults
+        defaults.setdefault("pod_resources_socket", f"{tmp}{POD_RESOURCES_SOCKET}")
         settings = settings_from_args(args, defaults=defaults, host_root=tmp)
         structlog.get_logger().info("building simulated node", profile=profile.name, root=tmp)
         _build_tree(profile.name, Path(tmp))
@@ -263,6 +265,11 @@ def _run(args: argparse.Namespace) -> int:
     with node_settings(args) as settings:
         agent = Agent(settings)
         print(render_table(agent.state.snapshot().inventory), flush=True)
+        try:
+            agent.start_metrics()
+        except OSError as exc:
+            msg = f"metrics_addr {settings.metrics_addr}: {exc.strerror or exc}"
+            raise UsageError(msg) from None
         stop = agent.stop
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: stop.set())

@@ -174,6 +174,42 @@ class HealthSettings:
 
 
 @dataclass(frozen=True)
+class NodeSettings:
+    kubeconfig: str = ""
+    """Kubeconfig file for the API server; empty: the pod's service account when in a cluster,
+    else no API at all (labels, the condition and events are only logged). $KUBECONFIG and
+    ~/.kube/config are never read, so a laptop run cannot label a real node by accident."""
+    labels: Literal["node", "features_file", "off"] = "node"
+    """node: patch labels onto the Node; features_file: write them to `features_file` for Node
+    Feature Discovery instead; off: no labels (the condition and events are still written)."""
+    features_file: str = "/etc/kubernetes/node-feature-discovery/features.d/edl-agent"
+    """Where the `features_file` mode writes `key=value` lines (a path inside the agent's pod)."""
+    resync_seconds: float = 300.0
+    """How often labels and the condition are written even when nothing changed (a heartbeat
+    for the condition, and repair of labels someone else removed)."""
+    event_namespace: str = "default"
+    """Namespace of the Events recorded for the Node (a cluster-scoped object's events go to
+    `default`, as kubelet's do)."""
+    events_per_minute: float = 10.0
+    """Event rate limit for this node (token bucket refill); more are dropped and counted."""
+    event_burst: int = 10
+    """Events that may be sent at once before the rate limit applies (token bucket size)."""
+    event_dedupe_seconds: float = 600.0
+    """An event with the same type, reason and message within this window bumps the count of
+    the first one instead of creating another."""
+
+    def check(self) -> None:
+        if not 10 <= self.resync_seconds <= 86400:
+            raise ValueError("resync_seconds: must be between 10 and 86400")
+        if self.events_per_minute <= 0 or self.event_burst < 1:
+            raise ValueError("events_per_minute must be positive and event_burst at least 1")
+        if self.event_dedupe_seconds < 0:
+            raise ValueError("event_dedupe_seconds: must not be negative")
+        if self.labels == "features_file" and not self.features_file:
+            raise ValueError("features_file: must be set when labels is features_file")
+
+
+@dataclass(frozen=True)
 class Settings:
     node_name: str = ""
     """The Kubernetes node this agent runs on; default: $NODE_NAME, else the host's hostname."""
@@ -189,13 +225,24 @@ class Settings:
     ascend: AscendSettings = field(default_factory=AscendSettings)
     plugin: PluginSettings = field(default_factory=PluginSettings)
     health: HealthSettings = field(default_factory=HealthSettings)
+    node: NodeSettings = field(default_factory=NodeSettings)
+    """Labels, the AcceleratorHealthy condition and Events on this node's Node object."""
     metrics_addr: str = ":9400"
-    """Address of /metrics, /healthz and /readyz."""
+    """Address of /metrics, /healthz and /readyz (`:9400`, `127.0.0.1:9400`); empty: none."""
+    pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
+    """Kubelet's pod-resources socket, to label device metrics with the pods holding them."""
     sharing: tuple[SharingRule, ...] = ()
     """Sharing rules per resource: [{resource, keep_whole, replicas, replica_resource,
     memory_unit_mib, memory_resource, core_unit_percent, core_resource}]; see README."""
 
     def check(self) -> None:
+        from edl_agent.metrics.server import parse_address
+
+        if self.metrics_addr:
+            try:
+                parse_address(self.metrics_addr)
+            except ValueError as exc:
+                raise ValueError(f"metrics_addr: {exc}") from None
         names = [
             ("nvidia.resource_name", self.nvidia.resource_name),
             ("kunlunxin.resource_name", self.kunlunxin.resource_name),

@@ -78,10 +78,12 @@ def running_node(tmp_path: Path, profile_name: str, **plugin: Any) -> Iterator[N
         defaults=profile.config,
         overrides={
             "host_root": str(tree),
+            "metrics_addr": "127.0.0.1:0",
             "plugin": {"kubelet_dir": str(kubelet.directory), "health_poll_seconds": 0.1, **plugin},
         },
     )
     agent = Agent(settings)
+    agent.start_metrics()
     thread = threading.Thread(target=agent.run, name="agent")
     thread.start()
     try:
@@ -331,6 +333,8 @@ def test_run_command_serves_until_sigterm(tmp_path: Path) -> None:
             str(kubelet.directory),
             "--log-format",
             "json",
+            "--metrics-addr",
+            "127.0.0.1:0",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -43,7 +43,7 @@ class Transition:
 
 
 @dataclass
-class HealthCounts:
+class HealthCounters:
     """Counters for metrics; keys as the metric labels need them."""
 
     xid_errors: Counter[tuple[str, int]] = field(default_factory=Counter)
@@ -58,7 +58,7 @@ class HealthTracker:
         self.quiet_seconds = quiet_seconds
         self._device: dict[str, dict[str, Condition]] = {}
         self._vendor: dict[Vendor, dict[str, Condition]] = {}
-        self.counts = HealthCounts()
+        self.counts = HealthCounters()
 
     def observe(self, event: HealthEvent, devices: Iterable[Device]) -> list[Transition]:
         """Apply one event; returns the devices whose health changed because of it."""

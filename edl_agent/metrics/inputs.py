@@ -1,0 +1,46 @@
+"""What the metrics collectors read at scrape time: plain, immutable data that the agent's
+parts produce and the collectors only render."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, order=True)
+class PodRef:
+    """One container holding (a unit of) a device, as kubelet's pod-resources API reports it."""
+
+    namespace: str
+    pod: str
+    container: str
+    resource: str
+
+
+@dataclass(frozen=True)
+class HealthCounts:
+    """Running totals kept by the health watchers since the agent started.
+
+    Device ids are physical device ids; "" stands for events about a whole vendor's monitor.
+    """
+
+    xid_errors: Mapping[tuple[str, int], int] = field(default_factory=dict)
+    """(device_id, xid) → XID errors seen."""
+    transitions: Mapping[tuple[str, str, str], int] = field(default_factory=dict)
+    """(device_id, to_health, reason) → health changes, `to_health` being Healthy/Unhealthy."""
+    events: Mapping[tuple[str, str, str], int] = field(default_factory=dict)
+    """(device_id, reason, level) → health events seen."""
+
+
+@dataclass(frozen=True)
+class AgentCounts:
+    """The agent's own figures."""
+
+    discovery_seconds: float = 0.0
+    """How long the latest device discovery took."""
+    nvml_event_loop_restarts: int = 0
+    registrations: int = 0
+    registration_failures: int = 0
+    plugin_server_restarts: int = 0
+    step_failures: Mapping[str, int] = field(default_factory=dict)
+    """Supervised step name → times it raised."""

@@ -1,0 +1,142 @@
+"""Which containers hold which of our devices, from kubelet's pod-resources API (`List`).
+
+Kubelet reports the ids our plugins advertised — replica, memory and core unit ids for shared
+devices — so the caller passes the snapshot's unit maps and every id resolves to the physical
+device it stands for. Read at scrape time: it never raises, a missing socket (no kubelet, or
+the directory not mounted) is quietly "no pods", and a failure is logged once until it changes.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+
+import grpc
+import structlog
+
+from edl_agent._proto.podresources.v1 import api_pb2, api_pb2_grpc
+from edl_agent.devices.model import ResourceUnit
+from edl_agent.metrics.inputs import PodRef
+
+DEFAULT_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
+DEFAULT_TIMEOUT_SECONDS = 1.0
+
+Units = Mapping[str, Mapping[str, ResourceUnit]]
+"""Resource name → advertised unit id → unit, as in `Snapshot.units`."""
+
+
+def attribute(response: api_pb2.ListPodResourcesResponse, units: Units) -> dict[str, list[PodRef]]:
+    """Physical device id → the containers holding it (sorted, each once), from a List answer.
+
+    Ids of resources we do not advertise, and ids we no longer advertise, are left out.
+    """
+    holders: dict[str, set[PodRef]] = {}
+    for pod in response.pod_resources:
+        for container in pod.containers:
+            for assigned in container.devices:
+                resource_units = units.get(assigned.resource_name)
+                if resource_units is None:
+                    continue
+                ref = PodRef(
+                    namespace=pod.namespace,
+                    pod=pod.name,
+                    container=container.name,
+                    resource=assigned.resource_name,
+                )
+                for unit_id in assigned.device_ids:
+                    unit = resource_units.get(unit_id)
+                    if unit is not None:
+                        holders.setdefault(unit.device_id, set()).add(ref)
+    return {device_id: sorted(refs) for device_id, refs in sorted(holders.items())}
+
+
+class PodResourcesClient:
+    """Calls `List` on kubelet's pod-resources socket, keeping one channel while it works."""
+
+    def __init__(
+        self,
+        socket_path: str | os.PathLike[str] = DEFAULT_SOCKET,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_SECONDS,
+    ) -> None:
+        self.socket_path = Path(socket_path)
+        self.timeout = timeout
+        # Held across the call too: scrapes are rare, and one caller must not close the channel
+        # another is using when kubelet's socket is replaced.
+        self._lock = threading.Lock()
+        self._channel: grpc.Channel | None = None
+        self._stub: api_pb2_grpc.PodResourcesListerStub | None = None
+        self._identity: tuple[int, int] | None = None
+        self._problem: str | None = None
+        self._log = structlog.get_logger().bind(socket=str(self.socket_path))
+
+    def pod_devices(self, units: Units) -> dict[str, list[PodRef]]:
+        """Physical device id → containers holding it; {} when kubelet cannot be asked."""
+        with self._lock:
+            try:
+                response = self._list()
+            except Exception as exc:  # a scrape must never fail on attribution
+                self._drop_channel()
+                self._report(_describe(exc))
+                return {}
+            if response is None:
+                self._problem = None  # absent socket: quiet, and a later failure is news again
+                return {}
+            if self._problem is not None:
+                self._log.info("pod-resources API answers again")
+                self._problem = None
+        return attribute(response, units)
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop_channel()
+
+    def _list(self) -> api_pb2.ListPodResourcesResponse | None:
+        try:
+            stat = self.socket_path.stat()
+        except FileNotFoundError:
+            self._drop_channel()
+            return None
+        # Kubelet re-creates its socket when it restarts; a channel to the old one would sit in
+        # reconnect backoff, so a new socket gets a new channel.
+        identity = (stat.st_dev, stat.st_ino)
+        if self._stub is None or identity != self._identity:
+            self._drop_channel()
+            self._channel = grpc.insecure_channel(f"unix://{self.socket_path}")
+            self._stub = api_pb2_grpc.PodResourcesListerStub(self._channel)  # type: ignore[no-untyped-call]
+            self._identity = identity
+        response: api_pb2.ListPodResourcesResponse = self._stub.List(
+            api_pb2.ListPodResourcesRequest(), timeout=self.timeout
+        )
+        return response
+
+    def _drop_channel(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = None
+        self._stub = None
+        self._identity = None
+
+    def _report(self, problem: str) -> None:
+        if problem != self._problem:
+            self._log.warning("pod-resources API failed; pods left off metrics", error=problem)
+            self._problem = problem
+
+
+def pod_devices(
+    socket_path: str | os.PathLike[str], timeout: float, units: Units
+) -> dict[str, list[PodRef]]:
+    """One-shot `PodResourcesClient(...).pod_devices(units)`; long-lived callers keep a client."""
+    client = PodResourcesClient(socket_path, timeout=timeout)
+    try:
+        return client.pod_devices(units)
+    finally:
+        client.close()
+
+
+def _describe(exc: Exception) -> str:
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+        return f"{exc.code().name}: {exc.details()}"
+    return f"{type(exc).__name__}: {exc}"

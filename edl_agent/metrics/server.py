@@ -1,0 +1,213 @@
+"""The metrics HTTP server: /metrics from a registry of our own, /healthz and /readyz.
+
+It runs on its own daemon thread and answers each request on a thread of its own, so a slow
+scrape never holds up a probe. /healthz answers 200 for as long as the process serves;
+/readyz asks the `ready` callable and answers 200 or 503 with its reason as the body.
+"""
+
+from __future__ import annotations
+
+import gzip
+import socket
+import socketserver
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import urlsplit
+
+import structlog
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
+
+# Idle keep-alive connections hold a thread each; drop them after this long.
+CONNECTION_TIMEOUT_SECONDS = 60.0
+SHUTDOWN_POLL_SECONDS = 0.1
+
+Readiness = Callable[[], tuple[bool, str]]
+
+
+def _always_ready() -> tuple[bool, str]:
+    return True, "ready"
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """`:9400` (every interface), `127.0.0.1:9400`, `localhost:9400`, `[::1]:9400` →
+    (host, port); host is "" for every interface. Raises ValueError naming the problem."""
+    host, colon, port_text = address.strip().rpartition(":")
+    if not colon:
+        raise ValueError(
+            f"metrics address {address!r} has no port; expected [host]:port such as :9400 "
+            "or 127.0.0.1:9400"
+        )
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        if not host:
+            raise ValueError(f"metrics address {address!r} has empty brackets for its host")
+    elif ":" in host or "[" in host or "]" in host:
+        raise ValueError(
+            f"metrics address {address!r}: write an IPv6 host in brackets, e.g. [::1]:9400"
+        )
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ValueError(
+            f"metrics address {address!r}: port {port_text!r} is not a number from 0 to 65535"
+        )
+    return host, int(port_text)
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        handler: type[BaseHTTPRequestHandler],
+        app: MetricsServer,
+    ) -> None:
+        self.app = app
+        self.dual_stack = False
+        if host:
+            family, *_, sockaddr = socket.getaddrinfo(
+                host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )[0]
+            self.address_family = family
+            bind: tuple[Any, ...] = (sockaddr[0], port)
+        elif socket.has_dualstack_ipv6():
+            self.address_family = socket.AF_INET6
+            self.dual_stack = True
+            bind = ("::", port)
+        else:
+            self.address_family = socket.AF_INET
+            bind = ("0.0.0.0", port)  # noqa: S104 - an empty host asks for every interface
+        super().__init__(bind, handler)
+
+    def server_bind(self) -> None:
+        if self.dual_stack:
+            self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        # HTTPServer.server_bind would look up our own FQDN (a DNS query) for nothing.
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = str(self.server_address[0]), self.server_address[1]
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _HTTPServer
+    protocol_version = "HTTP/1.1"
+    timeout = CONNECTION_TIMEOUT_SECONDS
+    # Headers and body go out in two writes; with Nagle's algorithm on, a keep-alive client's
+    # delayed ACK holds the body back ~40 ms on every scrape.
+    disable_nagle_algorithm = True
+
+    def do_GET(self) -> None:
+        self._answer(send_body=True)
+
+    def do_HEAD(self) -> None:
+        self._answer(send_body=False)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Requests are not logged: a scrape every few seconds would drown everything else."""
+
+    def _answer(self, *, send_body: bool) -> None:
+        app = self.server.app
+        path = urlsplit(self.path).path
+        headers: dict[str, str] = {}
+        if path == "/metrics":
+            status, body, content_type = app.metrics(self.headers.get("Accept", ""))
+            if "gzip" in self.headers.get("Accept-Encoding", "") and status == 200:
+                body = gzip.compress(body, compresslevel=1)
+                headers["Content-Encoding"] = "gzip"
+        elif path == "/healthz":
+            status, body, content_type = 200, b"ok\n", "text/plain; charset=utf-8"
+        elif path == "/readyz":
+            status, body = app.readiness()
+            content_type = "text/plain; charset=utf-8"
+        else:
+            status, body = 404, f"not found: {path}; try /metrics, /healthz or /readyz\n".encode()
+            content_type = "text/plain; charset=utf-8"
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        for name, value in headers.items():
+            self.send_header(name, value)
+        self.end_headers()
+        if send_body:
+            self.wfile.write(body)
+
+
+class MetricsServer:
+    """Serves `registry` at /metrics on `address` (see `parse_address`); port 0 picks a free
+    port, readable from `port` once started."""
+
+    def __init__(
+        self,
+        address: str,
+        registry: CollectorRegistry,
+        *,
+        ready: Readiness = _always_ready,
+    ) -> None:
+        self.host, self._requested_port = parse_address(address)
+        self.registry = registry
+        self._ready = ready
+        self._server: _HTTPServer | None = None
+        self._thread: threading.Thread | None = None
+        self._log = structlog.get_logger().bind(address=address)
+
+    @property
+    def port(self) -> int:
+        """The bound port (the requested one until started)."""
+        if self._server is None:
+            return self._requested_port
+        return int(self._server.server_address[1])
+
+    @property
+    def url(self) -> str:
+        host = self.host or "127.0.0.1"
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
+
+    def start(self) -> None:
+        """Bind (raising OSError when the address is taken) and serve on a daemon thread."""
+        if self._server is not None:
+            return
+        self._server = _HTTPServer(self.host, self._requested_port, _Handler, self)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": SHUTDOWN_POLL_SECONDS},
+            name="metrics-http",
+            daemon=True,
+        )
+        self._thread.start()
+        self._log.info("serving metrics", port=self.port)
+
+    def stop(self) -> None:
+        """Stop accepting, close the socket and wait for the serving thread."""
+        server, thread = self._server, self._thread
+        self._server = self._thread = None
+        if server is None:
+            return
+        server.shutdown()
+        server.server_close()
+        if thread is not None:
+            thread.join()
+
+    def metrics(self, accept: str) -> tuple[int, bytes, str]:
+        encoder, content_type = choose_encoder(accept)
+        try:
+            return 200, encoder(self.registry), content_type
+        except Exception as exc:  # a broken collector answers 500, never kills the server
+            self._log.exception("metrics exposition failed")
+            return 500, f"metrics exposition failed: {exc}\n".encode(), "text/plain; charset=utf-8"
+
+    def readiness(self) -> tuple[int, bytes]:
+        try:
+            ok, reason = self._ready()
+        except Exception as exc:
+            self._log.exception("readiness check failed")
+            ok, reason = False, f"readiness check failed: {exc}"
+        return (200 if ok else 503), f"{reason}\n".encode()
+
+    def __enter__(self) -> MetricsServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()

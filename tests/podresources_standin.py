@@ -1,0 +1,91 @@
+"""A stand-in for kubelet's pod-resources server: `v1.PodResourcesLister` on a real unix socket,
+answering `List` with whatever assignments the test sets (or failing, when told to)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Mapping, Sequence
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+
+from edl_agent._proto.podresources.v1 import api_pb2, api_pb2_grpc
+
+# (namespace, pod) → container → resource → device ids, as kubelet would assign them.
+Assignments = Mapping[tuple[str, str], Mapping[str, Mapping[str, Sequence[str]]]]
+
+
+class _Lister(api_pb2_grpc.PodResourcesListerServicer):
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.response = api_pb2.ListPodResourcesResponse()
+        self.failure: grpc.StatusCode | None = None
+        self.calls = 0
+
+    def List(
+        self, request: api_pb2.ListPodResourcesRequest, context: grpc.ServicerContext
+    ) -> api_pb2.ListPodResourcesResponse:
+        with self.lock:
+            self.calls += 1
+            failure, response = self.failure, self.response
+        if failure is not None:
+            context.abort(failure, "stand-in told to fail")
+        return response
+
+
+class PodResourcesStandIn:
+    def __init__(self, socket: Path) -> None:
+        self.socket = socket
+        self.lister = _Lister()
+        self._server: grpc.Server | None = None
+        self._executor: futures.ThreadPoolExecutor | None = None
+
+    def start(self) -> None:
+        self.socket.parent.mkdir(parents=True, exist_ok=True)
+        self._executor = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="podres")
+        self._server = grpc.server(self._executor)
+        api_pb2_grpc.add_PodResourcesListerServicer_to_server(self.lister, self._server)  # type: ignore[no-untyped-call]
+        self._server.add_insecure_port(f"unix://{self.socket}")
+        self._server.start()
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop(0).wait()
+            self._server = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        with contextlib.suppress(FileNotFoundError):
+            self.socket.unlink()
+
+    def assign(self, assignments: Assignments) -> None:
+        pods = [
+            api_pb2.PodResources(
+                namespace=namespace,
+                name=pod,
+                containers=[
+                    api_pb2.ContainerResources(
+                        name=container,
+                        devices=[
+                            api_pb2.ContainerDevices(resource_name=resource, device_ids=list(ids))
+                            for resource, ids in resources.items()
+                        ],
+                    )
+                    for container, resources in containers.items()
+                ],
+            )
+            for (namespace, pod), containers in assignments.items()
+        ]
+        with self.lister.lock:
+            self.lister.response = api_pb2.ListPodResourcesResponse(pod_resources=pods)
+
+    def fail_with(self, code: grpc.StatusCode | None) -> None:
+        with self.lister.lock:
+            self.lister.failure = code
+
+    @property
+    def calls(self) -> int:
+        with self.lister.lock:
+            return self.lister.calls
