@@ -38,7 +38,7 @@ from edl_agent.metrics.server import MetricsServer
 from edl_agent.plugin.manager import PluginManager
 from edl_agent.plugin.state import DeviceState
 
-TICK_SECONDS = 0.1
+TICK_SECONDS = 0.25
 NODE_VANISHED = "NODE_VANISHED"
 
 
