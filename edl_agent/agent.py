@@ -31,6 +31,9 @@ from edl_agent.health.nvml_watch import GPU_LOST, NvmlWatcher
 from edl_agent.health.polled import POLLERS, poll
 from edl_agent.health.presence import vanished
 from edl_agent.health.tracker import Condition, HealthTracker, Transition
+from edl_agent.kube import KubeApi
+from edl_agent.labels.cordon import Cordon
+from edl_agent.labels.publisher import NodePublisher
 from edl_agent.metrics.collectors import EdlCollector, build_registry
 from edl_agent.metrics.inputs import AgentCounts, HealthCounts
 from edl_agent.metrics.podresources import PodResourcesClient
@@ -84,6 +87,8 @@ class Agent:
         self.metrics: MetricsServer | None = None
         self._pods = PodResourcesClient(Path(self.settings.pod_resources_socket))
         self._nvml_telemetry: NvmlTelemetry | None = None
+        self.publisher: NodePublisher | None = None
+        self._cordoned: frozenset[str] = frozenset()
 
     def run(self) -> None:
         """Run until `stop` is set; then stop the watchers and servers and remove our sockets."""
@@ -102,10 +107,37 @@ class Agent:
         finally:
             if self.nvml is not None:
                 self.nvml.stop()
+            if self.publisher is not None:
+                self.publisher.stop()
             self.state.close()
             self.plugins.close()
             self.stop_metrics()
             self._log.info("agent stopped")
+
+    def start_publisher(self, api: KubeApi | None) -> None:
+        """Publish labels, the node condition and events (only logged when `api` is None)."""
+        self.publisher = NodePublisher(
+            api=api,
+            settings=self.settings,
+            state=self.state,
+            root=self.root,
+            unhealthy=self.unhealthy,
+            on_cordon=self.set_cordon,
+        )
+        self.publisher.start()
+
+    def set_cordon(self, cordon: Cordon) -> None:
+        """Devices cordoned by the node annotation are advertised Unhealthy until released."""
+        with self._health_lock:
+            if cordon.device_ids == self._cordoned:
+                return
+            self._cordoned = cordon.device_ids
+            self._publish([])
+        self._log.info(
+            "cordoned devices changed",
+            cordoned=sorted(cordon.device_ids) or None,
+            unknown=list(cordon.unknown) or None,
+        )
 
     def start_metrics(self) -> None:
         """Serve /metrics, /healthz and /readyz; OSError when the address cannot be bound."""
@@ -303,7 +335,7 @@ class Agent:
     def _publish(self, changes: list[Transition]) -> None:
         """Push the tracker's view into the device state (caller holds the health lock)."""
         devices = self.state.snapshot().inventory.devices
-        self.state.set_unhealthy(self.tracker.unhealthy(devices).keys())
+        self.state.set_unhealthy(self.tracker.unhealthy(devices).keys() | self._cordoned)
         for change in changes:
             self._log.log(
                 30 if change.to == "Unhealthy" else 20,

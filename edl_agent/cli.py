@@ -261,15 +261,21 @@ def _discover(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from edl_agent.agent import Agent
+    from edl_agent.kube import KubeConfigError, connect
 
     with node_settings(args) as settings:
         agent = Agent(settings)
         print(render_table(agent.state.snapshot().inventory), flush=True)
         try:
+            api = connect(settings.node.kubeconfig)
+        except KubeConfigError as exc:
+            raise UsageError(str(exc)) from None
+        try:
             agent.start_metrics()
         except OSError as exc:
             msg = f"metrics_addr {settings.metrics_addr}: {exc.strerror or exc}"
             raise UsageError(msg) from None
+        agent.start_publisher(api)
         stop = agent.stop
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: stop.set())

@@ -187,9 +187,6 @@ class NodeSettings:
     resync_seconds: float = 300.0
     """How often labels and the condition are written even when nothing changed (a heartbeat
     for the condition, and repair of labels someone else removed)."""
-    event_namespace: str = "default"
-    """Namespace of the Events recorded for the Node (a cluster-scoped object's events go to
-    `default`, as kubelet's do)."""
     events_per_minute: float = 10.0
     """Event rate limit for this node (token bucket refill); more are dropped and counted."""
     event_burst: int = 10

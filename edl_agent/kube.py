@@ -1,0 +1,193 @@
+"""The Kubernetes API adapter: building a client, and the few calls the node agent makes.
+
+Where the credentials come from, first match wins:
+1. `node.kubeconfig`, when set (a missing or broken file is an error, never a silent fallback);
+2. the pod's service account, when running in a cluster (`KUBERNETES_SERVICE_HOST` and the
+   mounted token; the token is re-read as kubelet rotates it);
+3. nothing: `connect()` returns None and the agent only logs what it would write.
+`$KUBECONFIG` and `~/.kube/config` are never read, so that a simulated node on a laptop cannot
+label a real cluster's node by accident.
+
+Objects go in and come out as plain JSON dicts; API errors become `ApiError` with the HTTP status.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import urllib3
+import yaml
+from kubernetes import client
+from kubernetes import config as kube_config
+from kubernetes.client.exceptions import ApiException
+from kubernetes.config.incluster_config import (
+    SERVICE_CERT_FILENAME,
+    SERVICE_HOST_ENV_NAME,
+    SERVICE_TOKEN_FILENAME,
+    InClusterConfigLoader,
+)
+
+MERGE_PATCH = "application/merge-patch+json"
+STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
+REQUEST_TIMEOUT = (5.0, 30.0)  # connect, read
+CONFLICT = 409
+NOT_FOUND = 404
+GONE = 410
+
+
+class Closable(Protocol):
+    """A streaming response another thread may end (urllib3's HTTPResponse)."""
+
+    def close(self) -> None: ...
+
+
+class KubeConfigError(Exception):
+    """The configured credentials cannot be used; the message says why."""
+
+
+class ApiError(Exception):
+    """An API call failed; `status` is the HTTP status (None when no answer came)."""
+
+    def __init__(self, status: int | None, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}" if status else message)
+        self.status = status
+
+
+def api_client(
+    kubeconfig: str,
+    *,
+    environ: Mapping[str, str] | None = None,
+    token_file: str = SERVICE_TOKEN_FILENAME,
+    ca_file: str = SERVICE_CERT_FILENAME,
+) -> client.ApiClient | None:
+    """A client from the explicit kubeconfig, else the in-cluster service account, else None."""
+    env = os.environ if environ is None else environ
+    if kubeconfig:
+        if not Path(kubeconfig).is_file():
+            msg = f"node.kubeconfig: {kubeconfig} does not exist"
+            raise KubeConfigError(msg)
+        try:
+            api: client.ApiClient = kube_config.new_client_from_config(  # type: ignore[no-untyped-call]
+                config_file=kubeconfig
+            )
+            return api
+        except (kube_config.ConfigException, ValueError, KeyError, OSError, yaml.YAMLError) as exc:
+            msg = f"node.kubeconfig: cannot use {kubeconfig}: {exc}"
+            raise KubeConfigError(msg) from None
+    if not env.get(SERVICE_HOST_ENV_NAME) or not Path(token_file).is_file():
+        return None
+    configuration = client.Configuration()
+    try:
+        loader = InClusterConfigLoader(token_file, ca_file, environ=env)  # type: ignore[no-untyped-call]
+        loader.load_and_set(configuration)  # type: ignore[no-untyped-call]
+    except kube_config.ConfigException as exc:
+        msg = f"in-cluster service account: {exc}"
+        raise KubeConfigError(msg) from None
+    return client.ApiClient(configuration)
+
+
+def connect(kubeconfig: str, *, environ: Mapping[str, str] | None = None) -> KubeApi | None:
+    api = api_client(kubeconfig, environ=environ)
+    return None if api is None else KubeApi(api)
+
+
+class KubeApi:
+    """The calls the node agent makes, on one ApiClient."""
+
+    def __init__(self, api: client.ApiClient) -> None:
+        self.api = api
+        # Typed as Any: with `_preload_content=False` the calls return the raw HTTP response,
+        # which the client's annotations do not describe.
+        self._core: Any = client.CoreV1Api(api)
+
+    def close(self) -> None:
+        self.api.close()  # type: ignore[no-untyped-call]
+
+    def read_node(self, name: str) -> dict[str, Any]:
+        return self._call(self._core.read_node, name)
+
+    def patch_node(self, name: str, patch: Mapping[str, Any]) -> dict[str, Any]:
+        """A JSON merge patch of the Node (with `metadata.resourceVersion`: a precondition)."""
+        return self._call(self._core.patch_node, name, dict(patch), _content_type=MERGE_PATCH)
+
+    def patch_node_status(self, name: str, patch: Mapping[str, Any]) -> dict[str, Any]:
+        """A strategic merge patch of nodes/status: conditions merge by `type`."""
+        return self._call(
+            self._core.patch_node_status, name, dict(patch), _content_type=STRATEGIC_MERGE_PATCH
+        )
+
+    def create_event(self, namespace: str, event: Mapping[str, Any]) -> dict[str, Any]:
+        return self._call(self._core.create_namespaced_event, namespace, dict(event))
+
+    def patch_event(self, namespace: str, name: str, patch: Mapping[str, Any]) -> dict[str, Any]:
+        return self._call(
+            self._core.patch_namespaced_event,
+            name,
+            namespace,
+            dict(patch),
+            _content_type=MERGE_PATCH,
+        )
+
+    def watch_node(
+        self,
+        name: str,
+        *,
+        resource_version: str | None,
+        timeout_seconds: int,
+        opened: Callable[[Closable], None] | None = None,
+    ) -> Iterator[tuple[str, dict[str, Any]]]:
+        """(type, object) for one Node until the server ends the watch. Needs only `watch` on
+        nodes (the name is a field selector). A 410 (too old a version) raises ApiError(410).
+        `opened` gets the connection: closing it from another thread ends the watch."""
+        try:
+            response = self._core.list_node(
+                field_selector=f"metadata.name={name}",
+                watch=True,
+                allow_watch_bookmarks=True,
+                resource_version=resource_version,
+                timeout_seconds=timeout_seconds,
+                _preload_content=False,
+                _request_timeout=(REQUEST_TIMEOUT[0], timeout_seconds + 30),
+            )
+        except ApiException as exc:
+            raise ApiError(exc.status, _message(exc)) from None
+        except (OSError, urllib3.exceptions.HTTPError) as exc:
+            raise ApiError(None, f"{type(exc).__name__}: {exc}") from None
+        if opened is not None:
+            opened(response)
+        try:
+            for line in response:
+                if not line.strip():
+                    continue
+                event = json.loads(line)
+                kind, body = str(event.get("type")), event.get("object") or {}
+                if kind == "ERROR":
+                    raise ApiError(body.get("code"), str(body.get("message", "watch error")))
+                yield kind, body
+        except (OSError, urllib3.exceptions.HTTPError) as exc:
+            raise ApiError(None, f"watch broke: {type(exc).__name__}: {exc}") from None
+        finally:
+            response.release_conn()
+
+    def _call(self, method: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        try:
+            response = method(
+                *args, _preload_content=False, _request_timeout=REQUEST_TIMEOUT, **kwargs
+            )
+        except ApiException as exc:
+            raise ApiError(exc.status, _message(exc)) from None
+        except (OSError, urllib3.exceptions.HTTPError) as exc:  # refused, TLS, timeouts
+            raise ApiError(None, f"{type(exc).__name__}: {exc}") from None
+        data: dict[str, Any] = json.loads(response.data)
+        return data
+
+
+def _message(exc: ApiException) -> str:
+    try:
+        return str(json.loads(exc.body or "")["message"])
+    except (ValueError, KeyError, TypeError):
+        return str(exc.reason or exc)

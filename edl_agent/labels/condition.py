@@ -1,0 +1,153 @@
+"""The node condition `AcceleratorHealthy`, from the unhealthy devices. Pure.
+
+- `status` is `True` while no device is unhealthy, `False` while any is (cordoned devices are an
+  operator's choice, not a fault: they do not count).
+- `reason` is `AcceleratorsHealthy` when `True`; when `False` it names the fault of the worst
+  device (node-fatal before device-fatal, then the oldest), turned into CamelCase: each `_`-part
+  that is a known acronym stays upper case (`XID79`, `GPULost`, `ECCDBE`, `NVMLInitFailed`,
+  `NodeVanished`, `NPUHealthCritical`); anything but letters and digits is dropped and a reason
+  that would not start with a letter gets `Fault` in front.
+- `message` says how many devices are unhealthy and names each one — vendor, index and id — with
+  its fault as the health monitor reported it (`XID79`) and the detail; at most 1024 characters.
+- `lastHeartbeatTime` is the time of every write (changes and periodic resyncs);
+  `lastTransitionTime` changes only when `status` does.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from edl_agent.devices.model import Device, Inventory
+from edl_agent.health.model import Level
+from edl_agent.health.tracker import Condition
+
+CONDITION_TYPE = "AcceleratorHealthy"
+HEALTHY_REASON = "AcceleratorsHealthy"
+MAX_MESSAGE = 1024
+ACRONYMS = frozenset(
+    {"GPU", "NPU", "XPU", "DCU", "XID", "ECC", "DBE", "SBE", "NVML", "PCI", "PCIE", "HBM", "AI"}
+)
+_SEVERITY = {Level.NODE_FATAL: 0, Level.DEVICE_FATAL: 1}
+
+
+@dataclass(frozen=True)
+class DeviceFault:
+    """One unhealthy device, named for people."""
+
+    device_id: str
+    name: str  # `nvidia 3 (GPU-...)`
+    reason: str  # as the health monitor reported it: `XID79`, `GPU_LOST`
+    detail: str
+    level: Level
+
+    @property
+    def summary(self) -> str:
+        """The fault and its detail: `XID79: GPU has fallen off the bus`."""
+        return f"{self.reason}: {self.detail}" if self.detail else self.reason
+
+    def describe(self) -> str:
+        return f"{self.name} {self.summary}"
+
+
+@dataclass(frozen=True)
+class AcceleratorHealth:
+    """What the condition says; `faults` sorted worst first."""
+
+    healthy: bool
+    reason: str
+    message: str
+    faults: tuple[DeviceFault, ...] = ()
+
+    @property
+    def status(self) -> str:
+        return "True" if self.healthy else "False"
+
+
+def accelerator_health(
+    *, inventory: Inventory, unhealthy: Mapping[str, Condition]
+) -> AcceleratorHealth:
+    """The condition for `unhealthy` (device id → its worst condition) on this inventory."""
+    devices = {d.id: d for d in inventory.devices}
+    physical = sum(d.parent is None for d in inventory.devices)
+    ordered = sorted(
+        unhealthy.items(),
+        key=lambda item: (_SEVERITY.get(item[1].level, 2), item[1].since, _order(item, devices)),
+    )
+    faults = tuple(
+        DeviceFault(
+            device_id=device_id,
+            name=device_name(devices.get(device_id), device_id),
+            reason=condition.reason,
+            detail=condition.detail,
+            level=condition.level,
+        )
+        for device_id, condition in ordered
+    )
+    if not faults:
+        return AcceleratorHealth(True, HEALTHY_REASON, f"all {physical} accelerators healthy")
+    head = f"{len(faults)} of {max(physical, len(faults))} accelerators unhealthy: "
+    message = _cut(head + "; ".join(f.describe() for f in faults))
+    return AcceleratorHealth(False, condition_reason(faults[0].reason), message, faults)
+
+
+def device_name(device: Device | None, device_id: str) -> str:
+    if device is None:
+        return device_id
+    return f"{device.vendor.value} {device.index} ({device.id})"
+
+
+def _order(item: tuple[str, Condition], devices: Mapping[str, Device]) -> tuple[str, int, str]:
+    device = devices.get(item[0])
+    if device is None:
+        return ("~", 0, item[0])  # devices no longer discovered after the known ones
+    return (device.vendor.value, device.index, device.id)
+
+
+def condition_reason(raw: str) -> str:
+    """A CamelCase condition reason from a health reason: `GPU_LOST` → `GPULost`."""
+    words = [w for w in re.split(r"[^A-Za-z0-9]+", raw) if w]
+    reason = "".join(w if w.upper() in ACRONYMS or _has_digit(w) else w.capitalize() for w in words)
+    if not reason or not reason[0].isalpha():
+        reason = "Fault" + reason
+    return reason[:128]
+
+
+def _has_digit(word: str) -> bool:
+    return any(c.isdigit() for c in word)
+
+
+def _cut(message: str) -> str:
+    return message if len(message) <= MAX_MESSAGE else message[: MAX_MESSAGE - 3] + "..."
+
+
+def node_condition(
+    health: AcceleratorHealth, *, previous: Mapping[str, Any] | None, now: datetime
+) -> dict[str, Any]:
+    """The condition as the API takes it; `previous` is the node's current one (or None)."""
+    stamp = api_time(now)
+    unchanged = previous is not None and previous.get("status") == health.status
+    transition = previous.get("lastTransitionTime") if previous and unchanged else None
+    return {
+        "type": CONDITION_TYPE,
+        "status": health.status,
+        "reason": health.reason,
+        "message": health.message,
+        "lastHeartbeatTime": stamp,
+        "lastTransitionTime": transition or stamp,
+    }
+
+
+def find_condition(node: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """Our condition in a Node (as JSON), or None."""
+    conditions = (node.get("status") or {}).get("conditions") or []
+    return next((c for c in conditions if c.get("type") == CONDITION_TYPE), None)
+
+
+def api_time(now: datetime) -> str:
+    """RFC 3339 in UTC, whole seconds, as the API writes times (naive times are taken as UTC)."""
+    utc = now.astimezone(UTC) if now.tzinfo is not None else now
+    return utc.strftime("%Y-%m-%dT%H:%M:%SZ")

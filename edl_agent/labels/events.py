@@ -1,0 +1,128 @@
+"""Events on the Node for device faults and recoveries. Pure: what to say, and whether to send it.
+
+- `AcceleratorUnhealthy` (Warning) when a device turns unhealthy or its fault changes; the message
+  names the device (vendor, index, id), the fault and its detail.
+- `AcceleratorRecovered` (Normal) when it is healthy again; the message names the fault it had.
+- Deduplicated: the same type, reason and message again within the window bumps the `count` of
+  the event already sent instead of creating another (as kubelet's recorder does).
+- Rate-limited per node by a token bucket (default: bursts of 10, 10 a minute); what does not fit
+  is dropped and counted — the node condition, not the event stream, is the record of health.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from edl_agent.labels.condition import DeviceFault
+
+WARNING = "Warning"
+NORMAL = "Normal"
+UNHEALTHY_REASON = "AcceleratorUnhealthy"
+RECOVERED_REASON = "AcceleratorRecovered"
+MAX_REMEMBERED = 256
+
+
+@dataclass(frozen=True)
+class EventSpec:
+    type: str  # Warning / Normal
+    reason: str
+    message: str
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.type, self.reason, self.message)
+
+
+def health_events(before: Sequence[DeviceFault], after: Sequence[DeviceFault]) -> list[EventSpec]:
+    """Events for the change from `before` to `after` (faults of the last and this sync)."""
+    old = {f.device_id: f for f in before}
+    new = {f.device_id: f for f in after}
+    events = [
+        EventSpec(WARNING, UNHEALTHY_REASON, f"{fault.name} unhealthy: {fault.summary}")
+        for fault in after
+        if fault.device_id not in old or old[fault.device_id].reason != fault.reason
+    ]
+    events += [
+        EventSpec(NORMAL, RECOVERED_REASON, f"{fault.name} healthy again (was {fault.reason})")
+        for fault in before
+        if fault.device_id not in new
+    ]
+    return events
+
+
+class Action(enum.StrEnum):
+    CREATE = "create"
+    BUMP = "bump"  # patch the count of the event sent before
+    DROP = "drop"
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    name: str | None = None  # the event to bump
+    count: int = 1
+
+
+class TokenBucket:
+    """`capacity` tokens, refilled at `per_second`; times are seconds on any one clock."""
+
+    def __init__(self, *, capacity: int, per_second: float) -> None:
+        self.capacity = capacity
+        self.per_second = per_second
+        self._tokens = float(capacity)
+        self._at: float | None = None
+
+    def take(self, now: float) -> bool:
+        if self._at is not None:
+            elapsed = max(0.0, now - self._at)
+            self._tokens = min(self.capacity, self._tokens + elapsed * self.per_second)
+        self._at = now
+        if self._tokens < 1:
+            return False
+        self._tokens -= 1
+        return True
+
+
+@dataclass
+class _Sent:
+    name: str
+    count: int
+    last: float
+
+
+class EventGate:
+    """Decides, per event, whether to create it, bump an earlier one, or drop it."""
+
+    def __init__(self, *, window_seconds: float, capacity: int, per_minute: float) -> None:
+        self.window_seconds = window_seconds
+        self.bucket = TokenBucket(capacity=capacity, per_second=per_minute / 60.0)
+        self.dropped = 0
+        self._sent: dict[tuple[str, str, str], _Sent] = {}
+
+    def decide(self, spec: EventSpec, now: float) -> Decision:
+        self._forget(now)
+        if not self.bucket.take(now):
+            self.dropped += 1
+            return Decision(Action.DROP)
+        earlier = self._sent.get(spec.key)
+        if earlier is None:
+            return Decision(Action.CREATE)
+        return Decision(Action.BUMP, earlier.name, earlier.count + 1)
+
+    def sent(self, spec: EventSpec, *, name: str, count: int, now: float) -> None:
+        """Record what the API accepted (the next duplicate bumps `name`)."""
+        self._sent.pop(spec.key, None)  # re-insert: the dict stays ordered oldest first
+        self._sent[spec.key] = _Sent(name, count, now)
+        while len(self._sent) > MAX_REMEMBERED:
+            del self._sent[next(iter(self._sent))]
+
+    def forget(self, spec: EventSpec) -> None:
+        """The event to bump is gone (deleted, expired): the next one is created afresh."""
+        self._sent.pop(spec.key, None)
+
+    def _forget(self, now: float) -> None:
+        stale = [k for k, s in self._sent.items() if now - s.last > self.window_seconds]
+        for key in stale:
+            del self._sent[key]

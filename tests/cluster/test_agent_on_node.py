@@ -1,0 +1,118 @@
+"""The whole agent on a simulated dgx-h100 whose Node is a KWOK node: labels, the condition and
+events follow injected faults, and the cordon annotation reaches kubelet's ListAndWatch — all
+written with the agent's pod-bound service-account token under deploy/daemonset's RBAC."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from k8s_test_helpers import wait_for
+from test_node_labels import Agent as NodeAgent
+from test_node_labels import agent  # noqa: F401 - the fixture, reused
+
+from edl_agent.agent import Agent
+from edl_agent.config import load_settings
+from edl_agent.labels.condition import CONDITION_TYPE
+from edl_agent.labels.cordon import CORDONED_DEVICES
+from edl_agent.sim import inject
+from edl_agent.sim.profile import load_profile
+from edl_agent.sim.tree import build_tree
+from tests.kubelet_standin import KubeletStandIn
+
+MERGE = "application/merge-patch+json"
+
+
+@pytest.fixture
+def running(
+    agent: NodeAgent,  # noqa: F811 - the fixture imported above
+    tmp_path: Path,
+) -> Iterator[tuple[Agent, NodeAgent, Path, KubeletStandIn]]:
+    tree = tmp_path / "node"
+    build_tree(load_profile("dgx-h100"), tree)
+    kubelet = KubeletStandIn(tmp_path / "kubelet")
+    kubelet.start()
+    settings = load_settings(
+        overrides={
+            "host_root": str(tree),
+            "node_name": agent.node,
+            "metrics_addr": "",
+            "plugin": {"kubelet_dir": str(kubelet.directory)},
+        }
+    )
+    node_agent = Agent(settings)
+    node_agent.start_publisher(agent.api)
+    thread = threading.Thread(target=node_agent.run)
+    thread.start()
+    try:
+        kubelet.wait_registered({"nvidia.com/gpu"})
+        yield node_agent, agent, tree, kubelet
+    finally:
+        node_agent.stop.set()
+        thread.join(timeout=20)
+        kubelet.stop()
+
+
+def labels_of(node: Any) -> dict[str, str]:
+    return dict(node.metadata.labels or {})
+
+
+def status_of(node: Any) -> str | None:
+    condition = condition_of(node)
+    return None if condition is None else str(condition.status)
+
+
+def condition_of(node: Any) -> Any:
+    return next((c for c in node.status.conditions or [] if c.type == CONDITION_TYPE), None)
+
+
+def test_labels_condition_events_and_cordon(
+    running: tuple[Agent, NodeAgent, Path, KubeletStandIn],
+) -> None:
+    node_agent, view, tree, kubelet = running
+    ids = list(node_agent.state.snapshot().resources["nvidia.com/gpu"].device_ids)
+
+    node = wait_for("labels", view.read, lambda n: labels_of(n).get("nvidia.com/gpu.count") == "8")
+    assert labels_of(node)["nvidia.com/gpu.product"] == "NVIDIA-H100-80GB-HBM3"
+    assert labels_of(node)["edl.io/nvidia.healthy"] == "8"
+    wait_for("condition True", view.read, lambda n: status_of(n) == "True")
+
+    inject.inject_xid(tree, 3, 79)
+    node = wait_for("condition False", view.read, lambda n: status_of(n) == "False")
+    assert condition_of(node).reason == "XID79"
+    assert ids[3] in condition_of(node).message
+    wait_for("healthy count", view.read, lambda n: labels_of(n)["edl.io/nvidia.healthy"] == "7")
+    warnings = wait_for(
+        "a Warning event",
+        view.events,
+        lambda events: any(e.type == "Warning" and ids[3] in e.message for e in events),
+    )
+    assert any(e.reason == "AcceleratorUnhealthy" for e in warnings)
+
+    view.admin.core.patch_node(
+        view.node,
+        {"metadata": {"annotations": {CORDONED_DEVICES: "nvidia:2"}}},
+        _content_type=MERGE,
+    )
+    wait_for(
+        "GPU 2 cordoned",
+        node_agent.state.snapshot,
+        lambda snapshot: snapshot.is_unhealthy(ids[2]),
+    )
+    watch = kubelet.watch("nvidia.com/gpu")
+    listed = {d.ID: d.health for d in watch.next().devices}
+    watch.cancel()
+    assert listed[ids[2]] == "Unhealthy"
+    assert listed[ids[0]] == "Healthy"
+    wait_for("healthy count", view.read, lambda n: labels_of(n)["edl.io/nvidia.healthy"] == "6")
+    view.admin.core.patch_node(
+        view.node, {"metadata": {"annotations": {CORDONED_DEVICES: None}}}, _content_type=MERGE
+    )
+    wait_for(
+        "GPU 2 released",
+        node_agent.state.snapshot,
+        lambda snapshot: not snapshot.is_unhealthy(ids[2]),
+    )
