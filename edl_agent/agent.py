@@ -156,7 +156,6 @@ class Agent:
             self.settings.metrics_addr, build_registry(collector), ready=self.ready
         )
         self.metrics.start()
-        self._log.info("serving metrics", url=f"{self.metrics.url}/metrics")
 
     def stop_metrics(self) -> None:
         if self.metrics is not None:
