@@ -234,11 +234,9 @@ def discover(root: HostRoot) -> VendorReport | None:
     error: str | None = None
     if tool is not None:
         try:
-            info = parse_npu_smi_info(root.run_tool(tool, QUERY_ARGS))
+            info = root.read_tool(tool, QUERY_ARGS, parse_npu_smi_info)
         except ToolError as exc:
             error = str(exc)
-        except NpuSmiParseError as exc:
-            error = f"{TOOL} {' '.join(QUERY_ARGS)}: unexpected output: {exc}"
     if not nodes and info is None:
         # npu-smi installed on a node without NPUs fails to reach the driver: nothing to report.
         log.debug("ascend tool without devices", error=error)

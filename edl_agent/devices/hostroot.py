@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 # Where vendor command-line tools live on the nodes we support, in search order.
 TOOL_DIRS = (
@@ -100,6 +103,28 @@ class HostRoot:
             msg = f"{tool.name} {' '.join(args)} exited {done.returncode}: {tail}"
             raise ToolError(msg)
         return done.stdout
+
+    def read_tool(
+        self,
+        tool: str | Path,
+        args: Sequence[str],
+        parse: Callable[[str], T],
+        *,
+        timeout: float = 10.0,
+    ) -> T:
+        """Run a vendor tool (a name looked up with `which`, or its path) and parse its output.
+        A missing tool, a failed run, or output that `parse` rejects (ValueError) all raise one
+        ToolError whose message names the tool, its arguments and the problem."""
+        path = self.which(tool) if isinstance(tool, str) else tool
+        if path is None:
+            msg = f"{tool} not found under the host root"
+            raise ToolError(msg)
+        output = self.run_tool(path, args, timeout=timeout)
+        try:
+            return parse(output)
+        except ValueError as exc:
+            msg = f"{path.name} {' '.join(args)}: unexpected output: {exc}"
+            raise ToolError(msg) from None
 
 
 def parse_numa_node(text: str | None) -> int | None:

@@ -226,11 +226,9 @@ def discover(root: HostRoot) -> VendorReport | None:
     error: str | None = None
     if tool is not None:
         try:
-            report = parse_hy_smi_json(root.run_tool(tool, QUERY_ARGS))
+            report = root.read_tool(tool, QUERY_ARGS, parse_hy_smi_json)
         except ToolError as exc:
             error = str(exc)
-        except HySmiParseError as exc:
-            error = f"{TOOL} {' '.join(QUERY_ARGS)}: unexpected output: {exc}"
     if not cards and report is None:
         log.debug("hygon tool without devices", error=error)
         return None

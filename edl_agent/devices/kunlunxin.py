@@ -176,11 +176,9 @@ def discover(root: HostRoot) -> VendorReport | None:
     error: str | None = None
     if tool is not None:
         try:
-            report = parse_xpu_smi_query(root.run_tool(tool, QUERY_ARGS))
+            report = root.read_tool(tool, QUERY_ARGS, parse_xpu_smi_query)
         except ToolError as exc:
             error = str(exc)
-        except XpuSmiParseError as exc:
-            error = f"{TOOL} {' '.join(QUERY_ARGS)}: unexpected output: {exc}"
     if not nodes and (report is None or not report.xpus):
         # A tool installed on a node without XPUs (it usually fails there): nothing to report.
         log.debug("kunlunxin tool without devices", error=error)

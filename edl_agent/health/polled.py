@@ -22,7 +22,6 @@ import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Protocol
 
 from edl_agent.config import HealthSettings
@@ -88,18 +87,15 @@ def poll_kunlunxin(
     live figures. `settings` has no Kunlunxin overrides; it is taken for a uniform signature."""
     at = clock()
     mine = _of(devices, Vendor.KUNLUNXIN)
-    tool = root.which(kunlunxin.TOOL)
     try:
-        if tool is None:
-            raise ToolError(f"{kunlunxin.TOOL} not found under the host root")
-        report = kunlunxin.parse_xpu_smi_query(
-            root.run_tool(tool, kunlunxin.QUERY_ARGS, timeout=TOOL_TIMEOUT_SECONDS)
+        report = root.read_tool(
+            kunlunxin.TOOL,
+            kunlunxin.QUERY_ARGS,
+            kunlunxin.parse_xpu_smi_query,
+            timeout=TOOL_TIMEOUT_SECONDS,
         )
     except ToolError as exc:
         return _failed(Vendor.KUNLUNXIN, "XPU_SMI_FAILED", str(exc), at)
-    except kunlunxin.XpuSmiParseError as exc:
-        detail = _unexpected(kunlunxin.TOOL, kunlunxin.QUERY_ARGS, exc)
-        return _failed(Vendor.KUNLUNXIN, "XPU_SMI_FAILED", detail, at)
     records = kunlunxin.records_by_index(report)
     result = _Builder(Vendor.KUNLUNXIN, at)
     for device in mine:
@@ -144,18 +140,12 @@ def poll_hygon(
     figures. `settings` has no Hygon overrides; it is taken for a uniform signature."""
     at = clock()
     mine = _of(devices, Vendor.HYGON)
-    tool = root.which(hygon.TOOL)
     try:
-        if tool is None:
-            raise ToolError(f"{hygon.TOOL} not found under the host root")
-        statuses = hygon.parse_hy_smi_status(
-            root.run_tool(tool, hygon.STATUS_ARGS, timeout=TOOL_TIMEOUT_SECONDS)
+        statuses = root.read_tool(
+            hygon.TOOL, hygon.STATUS_ARGS, hygon.parse_hy_smi_status, timeout=TOOL_TIMEOUT_SECONDS
         )
     except ToolError as exc:
         return _failed(Vendor.HYGON, "HY_SMI_FAILED", str(exc), at)
-    except hygon.HySmiParseError as exc:
-        detail = _unexpected(hygon.TOOL, hygon.STATUS_ARGS, exc)
-        return _failed(Vendor.HYGON, "HY_SMI_FAILED", detail, at)
     # hy-smi's card<i> is the DCU index; its PCI address, when printed, is the surer match.
     by_bus = {status.bus_id: status for status in statuses.values() if status.bus_id}
     result = _Builder(Vendor.HYGON, at)
@@ -200,18 +190,12 @@ def poll_ascend(
     overrides the table). When that second query fails the Health word alone decides."""
     at = clock()
     mine = _of(devices, Vendor.ASCEND)
-    tool = root.which(ascend.TOOL)
     try:
-        if tool is None:
-            raise ToolError(f"{ascend.TOOL} not found under the host root")
-        info = ascend.parse_npu_smi_info(
-            root.run_tool(tool, ascend.QUERY_ARGS, timeout=TOOL_TIMEOUT_SECONDS)
+        info = root.read_tool(
+            ascend.TOOL, ascend.QUERY_ARGS, ascend.parse_npu_smi_info, timeout=TOOL_TIMEOUT_SECONDS
         )
     except ToolError as exc:
         return _failed(Vendor.ASCEND, "NPU_SMI_FAILED", str(exc), at)
-    except ascend.NpuSmiParseError as exc:
-        detail = _unexpected(ascend.TOOL, ascend.QUERY_ARGS, exc)
-        return _failed(Vendor.ASCEND, "NPU_SMI_FAILED", detail, at)
     records = {record.index: record for record in info.npus}
     result = _Builder(Vendor.ASCEND, at)
     for device in mine:
@@ -221,7 +205,7 @@ def poll_ascend(
             continue
         findings = []
         if record.health.strip().upper() != "OK":
-            finding = _npu_finding(root, tool, record, settings)
+            finding = _npu_finding(root, ascend.TOOL, record, settings)
             if finding is not None:
                 findings.append(finding)
         result.device(device, findings)
@@ -279,19 +263,17 @@ def clears(active: Mapping[str | None, HealthEvent], result: PollResult) -> list
 
 
 def _npu_finding(
-    root: HostRoot, tool: Path, record: ascend.NpuRecord, settings: HealthSettings
+    root: HostRoot, tool: str, record: ascend.NpuRecord, settings: HealthSettings
 ) -> _Finding | None:
     health, note = record.health, ""
     codes: tuple[int, ...] = ()
     args = [arg.format(npu=record.npu_id, chip=record.chip_id) for arg in ascend.HEALTH_ARGS]
     try:
-        detail = ascend.parse_npu_smi_health(
-            root.run_tool(tool, args, timeout=TOOL_TIMEOUT_SECONDS)
+        detail = root.read_tool(
+            tool, args, ascend.parse_npu_smi_health, timeout=TOOL_TIMEOUT_SECONDS
         )
     except ToolError as exc:
         note = f"; fault codes unknown: {exc}"
-    except ascend.NpuSmiParseError as exc:
-        note = f"; fault codes unknown: {_unexpected(ascend.TOOL, args, exc)}"
     else:
         health, codes = detail.health, detail.codes
         if detail.information:
@@ -358,10 +340,6 @@ def _failed(vendor: Vendor, reason: str, detail: str, at: float) -> PollResult:
         vendor=vendor, device_id=None, reason=reason, level=Level.WARN, at=at, detail=detail
     )
     return PollResult(vendor=vendor, at=at, ok=False, events=[event])
-
-
-def _unexpected(tool: str, args: Sequence[str], exc: Exception) -> str:
-    return f"{tool} {' '.join(args)}: unexpected output: {exc}"
 
 
 def _of(devices: Sequence[Device], vendor: Vendor) -> list[Device]:
