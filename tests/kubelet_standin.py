@@ -9,13 +9,13 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
-from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
 from edl_agent._proto.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from tests.unix_grpc import UnixGrpcServer
 
 
 @dataclass
@@ -37,26 +37,16 @@ class KubeletStandIn:
         self.directory = directory
         self.socket = directory / "kubelet.sock"
         self.registrar = _Registrar()
-        self._server: grpc.Server | None = None
-        self._executor: futures.ThreadPoolExecutor | None = None
+        self._server = UnixGrpcServer(self.socket, self._add_services)
+
+    def _add_services(self, server: grpc.Server) -> None:
+        api_pb2_grpc.add_RegistrationServicer_to_server(self.registrar, server)
 
     def start(self) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self._executor = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kubelet")
-        self._server = grpc.server(self._executor)
-        api_pb2_grpc.add_RegistrationServicer_to_server(self.registrar, self._server)
-        self._server.add_insecure_port(f"unix://{self.socket}")
         self._server.start()
 
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.stop(0).wait()
-            self._server = None
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
-        with contextlib.suppress(FileNotFoundError):
-            self.socket.unlink()
+        self._server.stop()
 
     def restart(self) -> None:
         """What kubelet does when it restarts: every socket in its directory goes, then a new

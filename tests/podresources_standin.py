@@ -3,15 +3,14 @@ answering `List` with whatever assignments the test sets (or failing, when told 
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Mapping, Sequence
-from concurrent import futures
 from pathlib import Path
 
 import grpc
 
 from edl_agent._proto.podresources.v1 import api_pb2, api_pb2_grpc
+from tests.unix_grpc import UnixGrpcServer
 
 # (namespace, pod) → container → resource → device ids, as kubelet would assign them.
 Assignments = Mapping[tuple[str, str], Mapping[str, Mapping[str, Sequence[str]]]]
@@ -39,26 +38,16 @@ class PodResourcesStandIn:
     def __init__(self, socket: Path) -> None:
         self.socket = socket
         self.lister = _Lister()
-        self._server: grpc.Server | None = None
-        self._executor: futures.ThreadPoolExecutor | None = None
+        self._server = UnixGrpcServer(self.socket, self._add_services)
+
+    def _add_services(self, server: grpc.Server) -> None:
+        api_pb2_grpc.add_PodResourcesListerServicer_to_server(self.lister, server)  # type: ignore[no-untyped-call]
 
     def start(self) -> None:
-        self.socket.parent.mkdir(parents=True, exist_ok=True)
-        self._executor = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="podres")
-        self._server = grpc.server(self._executor)
-        api_pb2_grpc.add_PodResourcesListerServicer_to_server(self.lister, self._server)  # type: ignore[no-untyped-call]
-        self._server.add_insecure_port(f"unix://{self.socket}")
         self._server.start()
 
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.stop(0).wait()
-            self._server = None
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
-        with contextlib.suppress(FileNotFoundError):
-            self.socket.unlink()
+        self._server.stop()
 
     def assign(self, assignments: Assignments) -> None:
         pods = [
