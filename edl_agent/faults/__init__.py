@@ -1,0 +1,1 @@
+"""Faults: what agents and watchers observe and the restarter acts on."""
