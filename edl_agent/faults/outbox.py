@@ -1,0 +1,262 @@
+"""The agent's durable outbox: faults wait here until the restarter acknowledges them.
+
+Layout of the directory (the agent's `<state-dir>/outbox`):
+
+    .lock                       flock'ed while an Outbox is open: one owner per directory
+    00000000000000000042.json   one fault per file; the number is the send order; the content is
+                                the fault as `edl.fault.v1.Fault` in protobuf's JSON form
+    corrupt/                    entries that could not be read, moved aside (the newest 100 kept)
+
+Durability: `enqueue` writes a temp file, fsyncs it, renames it into place and fsyncs the
+directory before it returns, so an enqueued fault survives a crash of the agent or the node. A
+temp file left by a crash mid-write belongs to an enqueue that never returned and is removed on
+open. `ack` unlinks without fsync: an ack lost in a crash only sends the fault again, under the
+same id, and the restarter answers it as a duplicate.
+
+When the disk refuses a write, the fault is kept in memory (sent, but lost on restart), logged
+and counted in `write_errors`. When `max_entries` are pending, the oldest is dropped to make
+room, logged and counted in `dropped`: the newest faults matter most to a restart decision.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+from google.protobuf import json_format  # type: ignore[import-untyped]
+
+from edl_agent._proto.edl.fault.v1 import fault_pb2
+from edl_agent.faults.convert import InvalidFault, from_proto, to_proto
+from edl_agent.faults.model import Fault
+
+log = structlog.get_logger(__name__)
+
+ENTRY = re.compile(r"^(\d{20})\.json$")
+TEMP_SUFFIX = ".tmp"
+CORRUPT_DIR = "corrupt"
+CORRUPT_KEPT = 100
+MAX_ENTRY_BYTES = 1 << 20
+DEFAULT_MAX_ENTRIES = 10_000
+
+
+class OutboxError(Exception):
+    """The outbox directory cannot be used; the message names it and says why."""
+
+
+@dataclass(frozen=True)
+class OutboxCounts:
+    pending: int = 0
+    enqueued: int = 0
+    dropped: int = 0
+    corrupt: int = 0
+    write_errors: int = 0
+
+
+@dataclass
+class _Entry:
+    seq: int
+    fault: Fault
+    path: Path | None  # None: kept in memory only, the disk refused it
+
+
+class Outbox:
+    """Faults waiting for acknowledgement, in the order they were enqueued. Thread-safe."""
+
+    def __init__(self, directory: Path, *, max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
+        if max_entries < 1:
+            msg = f"outbox max_entries must be at least 1, not {max_entries}"
+            raise ValueError(msg)
+        self.directory = directory
+        self.max_entries = max_entries
+        self._lock = threading.Lock()
+        self._entries: dict[str, _Entry] = {}  # by fault id, in send order
+        self._listeners: list[Callable[[], None]] = []
+        self._counts = {"enqueued": 0, "dropped": 0, "corrupt": 0, "write_errors": 0}
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            self._lock_file = (directory / ".lock").open("a")
+        except OSError as exc:
+            msg = f"cannot use {directory} for the fault outbox: {exc}"
+            raise OutboxError(msg) from None
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._lock_file.close()
+            msg = f"another process holds the fault outbox in {directory}"
+            raise OutboxError(msg) from None
+        self._load()
+        self._next_seq = max((e.seq for e in self._entries.values()), default=0) + 1
+        while len(self._entries) > max_entries:
+            self._drop_oldest()
+
+    def close(self) -> None:
+        """Release the directory; pending faults stay on disk for the next owner."""
+        with self._lock:
+            if not self._lock_file.closed:
+                self._lock_file.close()  # closing releases the flock
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def add_listener(self, listener: Callable[[], None]) -> None:
+        """`listener()` runs after every enqueue that added a fault (the sender's wake-up)."""
+        with self._lock:
+            self._listeners.append(listener)
+
+    def enqueue(self, fault: Fault) -> bool:
+        """Keep `fault` until it is acknowledged; False when its id is already pending."""
+        with self._lock:
+            if self._lock_file.closed:
+                msg = f"the fault outbox in {self.directory} is closed"
+                raise OutboxError(msg)
+            if fault.id in self._entries:
+                return False
+            if len(self._entries) >= self.max_entries:
+                self._drop_oldest()
+            seq = self._next_seq
+            self._next_seq += 1
+            self._entries[fault.id] = _Entry(seq, fault, self._write(seq, fault))
+            self._counts["enqueued"] += 1
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener()
+        return True
+
+    def pending(self, limit: int | None = None) -> list[Fault]:
+        """The oldest `limit` pending faults (all when None), oldest first."""
+        with self._lock:
+            entries = list(self._entries.values())
+        return [e.fault for e in entries[:limit]]
+
+    def ack(self, ids: Iterable[str]) -> int:
+        """Forget the faults with these ids (acknowledged, or refused for good); how many."""
+        removed = 0
+        with self._lock:
+            for fault_id in ids:
+                entry = self._entries.pop(fault_id, None)
+                if entry is None:
+                    continue
+                removed += 1
+                self._remove(entry)
+        return removed
+
+    def counts(self) -> OutboxCounts:
+        with self._lock:
+            return OutboxCounts(pending=len(self._entries), **self._counts)
+
+    # --- disk --------------------------------------------------------------------------------
+
+    def _load(self) -> None:
+        names: list[tuple[int, str]] = []
+        for path in self.directory.iterdir():
+            if path.name.endswith(TEMP_SUFFIX):
+                log.info("outbox: removing an unfinished write", path=str(path))
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            elif match := ENTRY.match(path.name):
+                names.append((int(match.group(1)), path.name))
+        for seq, name in sorted(names):
+            path = self.directory / name
+            try:
+                fault = _read(path)
+            except Exception as exc:  # whatever is unreadable is set aside, never fatal
+                self._set_aside(path, f"{type(exc).__name__}: {exc}")
+                continue
+            if fault.id in self._entries:
+                log.warning("outbox: removing a second entry for one fault", fault_id=fault.id)
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                continue
+            self._entries[fault.id] = _Entry(seq, fault, path)
+        if self._entries:
+            log.info("outbox: faults waiting from before", count=len(self._entries))
+
+    def _write(self, seq: int, fault: Fault) -> Path | None:
+        path = self.directory / f"{seq:020d}.json"
+        temp = path.with_name(path.name + TEMP_SUFFIX)
+        text = json_format.MessageToJson(
+            to_proto(fault), preserving_proto_field_name=True, indent=None
+        )
+        try:
+            with temp.open("w", encoding="utf-8") as file:
+                file.write(text + "\n")
+                file.flush()
+                os.fsync(file.fileno())
+            temp.rename(path)
+            _fsync_directory(self.directory)
+        except OSError as exc:
+            self._counts["write_errors"] += 1
+            log.error(
+                "outbox: cannot write a fault to disk; kept in memory only",
+                fault_id=fault.id,
+                error=str(exc),
+            )
+            with contextlib.suppress(OSError):
+                temp.unlink()
+            return None
+        return path
+
+    def _remove(self, entry: _Entry) -> None:
+        if entry.path is None:
+            return
+        try:
+            entry.path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("outbox: cannot remove an entry", path=str(entry.path), error=str(exc))
+
+    def _drop_oldest(self) -> None:
+        fault_id = next(iter(self._entries))
+        entry = self._entries.pop(fault_id)
+        self._remove(entry)
+        self._counts["dropped"] += 1
+        log.warning(
+            "outbox full: dropped the oldest fault",
+            fault_id=fault_id,
+            kind=str(entry.fault.kind),
+            node=entry.fault.node,
+            max_entries=self.max_entries,
+        )
+
+    def _set_aside(self, path: Path, why: str) -> None:
+        self._counts["corrupt"] += 1
+        corrupt = self.directory / CORRUPT_DIR
+        target = corrupt / f"{path.name}.{time.time_ns()}"
+        try:
+            corrupt.mkdir(exist_ok=True)
+            path.rename(target)
+            for old in sorted(corrupt.iterdir(), key=lambda p: p.stat().st_mtime)[:-CORRUPT_KEPT]:
+                old.unlink()
+        except OSError as exc:
+            log.error("outbox: cannot set a corrupt entry aside", path=str(path), error=str(exc))
+            return
+        log.error("outbox: set a corrupt entry aside", path=str(target), error=why)
+
+
+def _read(path: Path) -> Fault:
+    with path.open("rb") as file:
+        data = file.read(MAX_ENTRY_BYTES + 1)
+    if len(data) > MAX_ENTRY_BYTES:
+        msg = f"entry larger than {MAX_ENTRY_BYTES} bytes"
+        raise InvalidFault(msg)
+    message = json_format.Parse(data.decode("utf-8"), fault_pb2.Fault(), ignore_unknown_fields=True)
+    return from_proto(message)
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make a rename in `directory` durable (the new name lives in the directory's data)."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,258 @@
+"""The outbox sender: one thread that delivers pending faults to the restarter's FaultIntake.
+
+Every call carries the agent's ServiceAccount token as `authorization: Bearer <token>`, read from
+the token file each time since kubelet rotates projected tokens. Accepted and duplicate faults
+leave the outbox; refused ones are logged, counted and dropped too, since a refusal does not
+change on retry. A call that fails as a whole (restarter down, TLS, auth, a missing token file)
+leaves the batch in the outbox and is retried with exponential backoff and jitter. An enqueue
+wakes the sender at once; `stop()` sends nothing more and leaves the outbox on disk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import random
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import grpc
+import structlog
+
+from edl_agent._proto.edl.fault.v1 import fault_pb2, fault_pb2_grpc
+from edl_agent.faults.convert import to_proto
+from edl_agent.faults.model import Fault
+from edl_agent.faults.outbox import Outbox
+
+log = structlog.get_logger(__name__)
+
+LOG_EVERY_FAILURES = 10  # a long outage logs its first failure and then every tenth
+
+
+@dataclass(frozen=True)
+class SenderSettings:
+    address: str
+    """The restarter's intake: `host:port`, or `unix:PATH`."""
+    token_file: Path
+    """The agent's ServiceAccount token (a projected volume), re-read for every call."""
+    ca_file: Path | None = None
+    """PEM CA bundle: speak TLS and check the restarter's certificate against it. Without one,
+    plaintext, which is allowed only to a loopback address or with `insecure`."""
+    server_name: str = ""
+    """The name the restarter's certificate must carry, when it is not the address's host."""
+    insecure: bool = False
+    """Allow plaintext to a non-loopback address (the token then crosses the network in clear)."""
+    batch_size: int = 100
+    call_timeout: float = 10.0
+    backoff_initial: float = 0.5
+    backoff_max: float = 30.0
+
+
+@dataclass(frozen=True)
+class SenderCounts:
+    accepted: int = 0
+    duplicates: int = 0
+    refused: int = 0
+    call_failures: int = 0
+    errors: int = 0  # unexpected exceptions in the loop (logged with their traceback)
+
+
+class CallFailed(Exception):
+    """A call that brought no verdict; its batch stays in the outbox."""
+
+
+def backoff_delay(failures: int, *, initial: float, maximum: float, jitter: float) -> float:
+    """Seconds to wait after `failures` failures in a row: doubling from `initial` up to
+    `maximum`, scaled into its upper half by `jitter` in [0, 1) so that agents spread out."""
+    base = min(maximum, initial * 2.0 ** max(0, min(failures - 1, 32)))
+    return base * (0.5 + jitter / 2)
+
+
+def is_loopback(address: str) -> bool:
+    if address.startswith("unix:"):
+        return True
+    host = address.rpartition(":")[0].strip("[]") if ":" in address else address
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class Sender:
+    """Delivers `outbox` to the restarter on a thread of its own; start() / stop()."""
+
+    def __init__(
+        self,
+        outbox: Outbox,
+        settings: SenderSettings,
+        *,
+        now: Callable[[], datetime] = lambda: datetime.now(UTC),
+        jitter: Callable[[], float] = random.random,
+    ) -> None:
+        if settings.ca_file is None and not settings.insecure and not is_loopback(settings.address):
+            msg = (
+                f"refusing to send the agent's token in plaintext to {settings.address}: "
+                "configure the restarter's CA file, or allow plaintext explicitly"
+            )
+            raise ValueError(msg)
+        self._outbox = outbox
+        self._settings = settings
+        self._now = now
+        self._jitter = jitter
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._channel_lock = threading.Lock()
+        self._channel: Any = None
+        self._thread: threading.Thread | None = None
+        self._counts = SenderCounts()
+        outbox.add_listener(self._wake.set)
+
+    def start(self) -> None:
+        if self._thread is not None:
+            msg = "the fault sender is already running"
+            raise RuntimeError(msg)
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._run, name="fault-sender", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop sending (a call in flight is cancelled); pending faults stay in the outbox."""
+        self._stopping.set()
+        self._wake.set()
+        self._close_channel()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.error("fault sender did not stop in time", timeout=timeout)
+            self._thread = None
+
+    def counts(self) -> SenderCounts:
+        return self._counts
+
+    def _run(self) -> None:
+        failures = 0
+        while not self._stopping.is_set():
+            self._wake.clear()
+            batch = self._outbox.pending(self._settings.batch_size)
+            if not batch:
+                self._wake.wait()
+                continue
+            try:
+                self._deliver(batch)
+            except CallFailed as exc:
+                failures += 1
+                self._count(call_failures=1)
+                if failures == 1 or failures % LOG_EVERY_FAILURES == 0:
+                    log.warning(
+                        "cannot report faults to the restarter; will retry",
+                        error=str(exc),
+                        failures=failures,
+                        pending=len(self._outbox),
+                    )
+            except Exception:
+                failures += 1
+                self._count(errors=1)
+                log.exception("fault sender failed; will retry", failures=failures)
+            else:
+                if failures:
+                    log.info("reporting faults to the restarter again", after_failures=failures)
+                failures = 0
+                continue
+            self._stopping.wait(
+                backoff_delay(
+                    failures,
+                    initial=self._settings.backoff_initial,
+                    maximum=self._settings.backoff_max,
+                    jitter=self._jitter(),
+                )
+            )
+
+    def _deliver(self, batch: Sequence[Fault]) -> None:
+        request = fault_pb2.ReportRequest(faults=[to_proto(f) for f in batch])
+        request.sent_at.FromDatetime(self._now())
+        metadata = (("authorization", f"Bearer {self._token()}"),)
+        try:
+            response = self._stub().Report(
+                request, metadata=metadata, timeout=self._settings.call_timeout
+            )
+        except grpc.RpcError as exc:
+            raise CallFailed(f"{exc.code().name}: {exc.details()}") from None
+        acks = {ack.fault_id: ack for ack in response.acks}
+        done: list[str] = []
+        refused: list[tuple[str, str]] = []
+        unanswered = 0
+        for fault in batch:
+            ack = acks.get(fault.id)
+            if ack is None or ack.verdict == fault_pb2.VERDICT_UNSPECIFIED:
+                unanswered += 1
+            elif ack.verdict == fault_pb2.VERDICT_REFUSED:
+                refused.append((fault.id, ack.reason))
+            else:
+                done.append(fault.id)
+        self._outbox.ack([*done, *(fault_id for fault_id, _ in refused)])
+        duplicates = sum(acks[i].verdict == fault_pb2.VERDICT_DUPLICATE for i in done)
+        self._count(accepted=len(done) - duplicates, duplicates=duplicates, refused=len(refused))
+        for fault_id, reason in refused:
+            log.warning("the restarter refused a fault; dropped", fault_id=fault_id, reason=reason)
+        if unanswered:
+            msg = f"the restarter answered {len(batch) - unanswered} of {len(batch)} faults"
+            raise CallFailed(msg)
+
+    def _token(self) -> str:
+        try:
+            token = self._settings.token_file.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            msg = f"cannot read the token file {self._settings.token_file}: {exc}"
+            raise CallFailed(msg) from None
+        if not token:
+            msg = f"the token file {self._settings.token_file} is empty"
+            raise CallFailed(msg)
+        return token
+
+    def _stub(self) -> Any:
+        with self._channel_lock:
+            if self._stopping.is_set():
+                msg = "stopping"
+                raise CallFailed(msg)
+            if self._channel is None:
+                self._channel = self._open_channel()
+            return fault_pb2_grpc.FaultIntakeStub(self._channel)  # type: ignore[no-untyped-call]
+
+    def _open_channel(self) -> Any:
+        settings = self._settings
+        backoff_ms = int(settings.backoff_initial * 1000)
+        # gRPC's own reconnect backoff (up to 120 s) would outlast ours after an outage.
+        options: list[tuple[str, str | int]] = [
+            ("grpc.initial_reconnect_backoff_ms", backoff_ms),
+            ("grpc.min_reconnect_backoff_ms", backoff_ms),
+            ("grpc.max_reconnect_backoff_ms", int(settings.backoff_max * 1000)),
+        ]
+        if settings.ca_file is None:
+            return grpc.insecure_channel(settings.address, options=options)
+        try:
+            ca = settings.ca_file.read_bytes()
+        except OSError as exc:
+            msg = f"cannot read the CA file {settings.ca_file}: {exc}"
+            raise CallFailed(msg) from None
+        if settings.server_name:
+            options.append(("grpc.ssl_target_name_override", settings.server_name))
+        credentials = grpc.ssl_channel_credentials(root_certificates=ca)
+        return grpc.secure_channel(settings.address, credentials, options=options)
+
+    def _close_channel(self) -> None:
+        with self._channel_lock:
+            channel, self._channel = self._channel, None
+        if channel is not None:
+            channel.close()
+
+    def _count(self, **increments: int) -> None:
+        current = self._counts
+        self._counts = dataclasses.replace(
+            current, **{name: getattr(current, name) + n for name, n in increments.items()}
+        )

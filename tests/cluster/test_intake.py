@@ -1,0 +1,271 @@
+"""The restarter's fault intake against the real API server's TokenReview, fed by the agent's
+outbox sender holding tokens as kubelet gives them: bound to the agent's pod on its node."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import grpc
+import pytest
+from k8s_test_helpers import KwokCluster, forge_token
+from kubernetes import client
+
+from edl_agent._proto.edl.fault.v1 import fault_pb2, fault_pb2_grpc
+from edl_agent.faults.convert import to_proto
+from edl_agent.faults.model import Fault, FaultKind, PodRef
+from edl_agent.faults.outbox import Outbox
+from edl_agent.faults.sender import Sender, SenderSettings
+from edl_agent.restarter.auth import CachedReviewer, TokenReviewer, service_account_user
+from edl_agent.restarter.intake import FaultIntake, IntakeServer
+
+AGENT_SA = "edl-agent"
+T0 = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
+
+
+def pod_bound_token(
+    k8s: KwokCluster, node: str, service_account: str = AGENT_SA, audiences: list[str] | None = None
+) -> str:
+    """A token as kubelet gives the agent's pod: bound to a pod on `node`, so it names the node."""
+    k8s.create_service_account(service_account)
+    pod = k8s.core.create_namespaced_pod(
+        k8s.namespace,
+        client.V1Pod(
+            metadata=client.V1ObjectMeta(name=k8s.unique_name("edl-agent")),
+            spec=client.V1PodSpec(
+                node_name=node,
+                service_account_name=service_account,
+                containers=[client.V1Container(name="agent", image="registry.invalid/edl:test")],
+            ),
+        ),
+    )
+    reference = client.V1BoundObjectReference(
+        kind="Pod", api_version="v1", name=pod.metadata.name, uid=pod.metadata.uid
+    )
+    request = client.AuthenticationV1TokenRequest(
+        spec=client.V1TokenRequestSpec(audiences=audiences or [], bound_object_ref=reference)
+    )
+    response = k8s.core.create_namespaced_service_account_token(
+        service_account, k8s.namespace, request
+    )
+    return str(response.status.token)
+
+
+def fault(n: int, node: str) -> Fault:
+    return Fault(
+        id=f"fault-{n}",
+        kind=FaultKind.CONTAINER_EXIT,
+        node=node,
+        observed_at=T0 + timedelta(seconds=n),
+        pods=(PodRef("ml", f"worker-{n}", f"uid-{n}"),),
+        container="worker",
+        exit_code=137,
+        reason="OOMKilled",
+    )
+
+
+def wait_until(what: str, done: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+@dataclass
+class Restarter:
+    intake: FaultIntake
+    server: IntakeServer
+    received: list[Fault]
+    lock: threading.Lock
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.server.port}"
+
+    def ids(self) -> Counter[str]:
+        with self.lock:
+            return Counter(f.id for f in self.received)
+
+
+def restarter_for(k8s: KwokCluster, port: int = 0, audiences: tuple[str, ...] = ()) -> Restarter:
+    """The intake as the restarter runs it, reviewing tokens with the admin credential."""
+    received: list[Fault] = []
+    lock = threading.Lock()
+
+    def sink(f: Fault) -> None:
+        with lock:
+            received.append(f)
+
+    intake = FaultIntake(
+        review=CachedReviewer(TokenReviewer(k8s.api, audiences=audiences)),
+        agent_user=service_account_user(k8s.namespace, AGENT_SA),
+        on_fault=sink,
+    )
+    return Restarter(intake, IntakeServer(intake, listen=f"127.0.0.1:{port}"), received, lock)
+
+
+@pytest.fixture
+def nodes(k8s: KwokCluster) -> tuple[str, str]:
+    a = k8s.create_gpu_node(wait_ready=False).metadata.name
+    b = k8s.create_gpu_node(wait_ready=False).metadata.name
+    return a, b
+
+
+@pytest.fixture
+def restarter(k8s: KwokCluster) -> Iterator[Restarter]:
+    running = restarter_for(k8s)
+    running.server.start()
+    yield running
+    running.server.stop(0)
+
+
+def agent(tmp_path: Path, address: str, token: str) -> tuple[Outbox, Sender]:
+    token_file = tmp_path / "token"
+    token_file.write_text(token)
+    outbox = Outbox(tmp_path / "state" / "outbox")
+    settings = SenderSettings(address, token_file, backoff_initial=0.05, backoff_max=0.2)
+    return outbox, Sender(outbox, settings)
+
+
+def report(address: str, faults: list[Fault], token: str | None) -> fault_pb2.ReportResponse:
+    metadata = [("authorization", f"Bearer {token}")] if token is not None else []
+    with grpc.insecure_channel(address) as channel:
+        stub = fault_pb2_grpc.FaultIntakeStub(channel)  # type: ignore[no-untyped-call]
+        request = fault_pb2.ReportRequest(faults=[to_proto(f) for f in faults])
+        return stub.Report(request, metadata=metadata, timeout=10)  # type: ignore[no-any-return]
+
+
+def test_faults_about_the_agents_node_are_accepted_once(
+    k8s: KwokCluster, nodes: tuple[str, str], restarter: Restarter, tmp_path: Path
+) -> None:
+    node_a, _ = nodes
+    token = pod_bound_token(k8s, node_a)
+    outbox, sender = agent(tmp_path, restarter.address, token)
+    sender.start()
+    try:
+        for n in range(3):
+            outbox.enqueue(fault(n, node_a))
+        wait_until("the outbox to empty", lambda: len(outbox) == 0)
+        outbox.enqueue(fault(1, node_a))  # the same fault again, as after an agent restart
+        wait_until("the outbox to empty", lambda: len(outbox) == 0)
+    finally:
+        sender.stop()
+        outbox.close()
+    assert restarter.ids() == {"fault-0": 1, "fault-1": 1, "fault-2": 1}
+    assert {f.node for f in restarter.received} == {node_a}
+    counts = sender.counts()
+    assert (counts.accepted, counts.duplicates, counts.refused) == (3, 1, 0)
+    assert restarter.intake.counts().refused == {}
+
+
+def test_refusals(k8s: KwokCluster, nodes: tuple[str, str], restarter: Restarter) -> None:
+    node_a, node_b = nodes
+    agent_on_b = pod_bound_token(k8s, node_b)
+    intruder_on_a = pod_bound_token(k8s, node_a, service_account="intruder")
+    unbound = k8s.mint_token(AGENT_SA)  # the agent's account, but bound to no pod or node
+    about_a = [fault(1, node_a)]
+
+    for token, code in [
+        (None, grpc.StatusCode.UNAUTHENTICATED),
+        (forge_token(agent_on_b, sub=f"system:serviceaccount:{k8s.namespace}:{AGENT_SA}"),
+         grpc.StatusCode.UNAUTHENTICATED),
+        ("not-a-token", grpc.StatusCode.UNAUTHENTICATED),
+        (intruder_on_a, grpc.StatusCode.PERMISSION_DENIED),
+    ]:  # fmt: skip
+        with pytest.raises(grpc.RpcError) as refused:
+            report(restarter.address, about_a, token)
+        assert refused.value.code() == code
+
+    for token in (agent_on_b, unbound):
+        response = report(restarter.address, about_a, token)
+        assert [(a.fault_id, a.verdict, a.reason) for a in response.acks] == [
+            ("fault-1", fault_pb2.VERDICT_REFUSED, "wrong_node")
+        ]
+    assert restarter.intake.counts().refused == {
+        "no_token": 1,
+        "invalid_token": 2,
+        "wrong_service_account": 1,
+        "wrong_node": 2,
+    }
+    assert restarter.received == []
+    # The same agent may report about its own node, in the same batch as a refused fault.
+    mixed = report(restarter.address, [fault(2, node_b), fault(3, node_a)], agent_on_b)
+    assert [a.verdict for a in mixed.acks] == [
+        fault_pb2.VERDICT_ACCEPTED,
+        fault_pb2.VERDICT_REFUSED,
+    ]
+    assert restarter.ids() == {"fault-2": 1}
+
+
+def test_the_sender_drops_a_refused_fault(
+    k8s: KwokCluster, nodes: tuple[str, str], restarter: Restarter, tmp_path: Path
+) -> None:
+    node_a, node_b = nodes
+    token = pod_bound_token(k8s, node_b)
+    outbox, sender = agent(tmp_path, restarter.address, token)
+    sender.start()
+    try:
+        outbox.enqueue(fault(1, node_a))
+        wait_until("the outbox to empty", lambda: len(outbox) == 0)
+    finally:
+        sender.stop()
+        outbox.close()
+    assert sender.counts().refused == 1
+    assert restarter.received == []
+
+
+def test_audiences(k8s: KwokCluster, nodes: tuple[str, str], tmp_path: Path) -> None:
+    restarter = restarter_for(k8s, audiences=("edl-restarter",))
+    restarter.server.start()
+    try:
+        meant_for_us = pod_bound_token(k8s, nodes[0], audiences=["edl-restarter"])
+        for_the_api_server = pod_bound_token(k8s, nodes[0])
+        with pytest.raises(grpc.RpcError) as refused:
+            report(restarter.address, [fault(1, nodes[0])], for_the_api_server)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        response = report(restarter.address, [fault(1, nodes[0])], meant_for_us)
+        assert [a.verdict for a in response.acks] == [fault_pb2.VERDICT_ACCEPTED]
+    finally:
+        restarter.server.stop(0)
+
+
+def test_the_outbox_outlives_a_restarter_outage_and_an_agent_restart(
+    k8s: KwokCluster, nodes: tuple[str, str], tmp_path: Path
+) -> None:
+    node_a, _ = nodes
+    token = pod_bound_token(k8s, node_a)
+    with socket.socket() as probe:  # a port where nothing listens yet
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    address = f"127.0.0.1:{port}"
+
+    outbox, sender = agent(tmp_path, address, token)
+    sender.start()
+    for n in range(5):
+        outbox.enqueue(fault(n, node_a))
+    wait_until("failed calls", lambda: sender.counts().call_failures >= 3)
+    sender.stop()  # the agent restarts while the restarter is still down
+    outbox.close()
+
+    outbox, sender = agent(tmp_path, address, token)
+    assert [f.id for f in outbox.pending()] == [f"fault-{n}" for n in range(5)]
+    sender.start()
+    outbox.enqueue(fault(5, node_a))
+    outbox.enqueue(fault(2, node_a))  # observed again after the restart: still pending, one entry
+    wait_until("the new agent to fail too", lambda: sender.counts().call_failures >= 1)
+    restarter = restarter_for(k8s, port)
+    restarter.server.start()
+    try:
+        wait_until("the outbox to empty", lambda: len(outbox) == 0)
+    finally:
+        sender.stop()
+        outbox.close()
+        restarter.server.stop(0)
+    assert restarter.ids() == {f"fault-{n}": 1 for n in range(6)}
+    assert restarter.intake.counts().duplicates == 0
