@@ -5,6 +5,13 @@ guarded: an exception is logged with its traceback, counted, and the step is tri
 later tick — one broken part never stops the others. The gRPC servers and the NVML event watcher
 run on their own threads; health events from any of them go through `report()`, the one health
 stream that feeds the device plugin (ListAndWatch wakes at once) and the metrics.
+
+Fault reports (`start_faults`): a device that turns Unhealthy while pods hold it (kubelet's
+pod-resources API; shares count for their physical device) becomes a DEVICE_UNHEALTHY fault
+naming those pods — a device no pod holds gives the restarter nothing to restart, so it is only
+logged. A watcher of this node's pods adds CONTAINER_EXIT faults. Faults go to the durable outbox
+under `faults.state_dir`, which a sender delivers to the restarter; with no
+`faults.restarter_address` they are only logged.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import structlog
@@ -24,13 +32,18 @@ from edl_agent.devices.discovery import discover_node
 from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.model import Device, Health, Inventory, Vendor
 from edl_agent.devices.resources import advertised_resources
+from edl_agent.faults.ids import device_unhealthy_id
+from edl_agent.faults.model import Fault, FaultKind, PodRef
+from edl_agent.faults.outbox import Outbox, OutboxError
+from edl_agent.faults.pod_exits import PodExitWatcher
+from edl_agent.faults.sender import Sender, SenderSettings
 from edl_agent.health.classify import classify_xid
 from edl_agent.health.model import DeviceTelemetry, HealthEvent, Level
 from edl_agent.health.nvml_telemetry import NvmlTelemetry
 from edl_agent.health.nvml_watch import GPU_LOST, NvmlWatcher
 from edl_agent.health.polled import POLLERS, poll
 from edl_agent.health.presence import vanished
-from edl_agent.health.tracker import Condition, HealthTracker, Transition
+from edl_agent.health.tracker import UNHEALTHY, Condition, HealthTracker, Transition
 from edl_agent.kube import KubeApi
 from edl_agent.labels.cordon import Cordon
 from edl_agent.labels.publisher import NodePublisher
@@ -89,6 +102,10 @@ class Agent:
         self._nvml_telemetry: NvmlTelemetry | None = None
         self.publisher: NodePublisher | None = None
         self._cordoned: frozenset[str] = frozenset()
+        self._faults_on = False
+        self.outbox: Outbox | None = None
+        self.sender: Sender | None = None
+        self.pod_exits: PodExitWatcher | None = None
 
     def run(self) -> None:
         """Run until `stop` is set; then stop the watchers and servers and remove our sockets."""
@@ -109,6 +126,7 @@ class Agent:
                 self.nvml.stop()
             if self.publisher is not None:
                 self.publisher.stop()
+            self.stop_faults()
             self.state.close()
             self.plugins.close()
             self.stop_metrics()
@@ -125,6 +143,107 @@ class Agent:
             on_cordon=self.set_cordon,
         )
         self.publisher.start()
+
+    def start_faults(self, api: KubeApi | None) -> None:
+        """Report faults: open the outbox and start its sender (when a restarter is configured)
+        and watch this node's pods for container exits (when `api` is given). Raises OutboxError
+        when the state directory cannot be used, ValueError for unusable sender settings."""
+        settings = self.settings.faults
+        node = self.state.snapshot().inventory.node
+        if settings.restarter_address:
+            outbox = Outbox(Path(settings.state_dir) / "outbox")
+            try:
+                sender = Sender(
+                    outbox,
+                    SenderSettings(
+                        address=settings.restarter_address,
+                        token_file=Path(settings.token_file),
+                        ca_file=Path(settings.ca_file) if settings.ca_file else None,
+                        server_name=settings.server_name,
+                        insecure=settings.insecure,
+                    ),
+                )
+            except ValueError:
+                outbox.close()
+                raise
+            self.outbox, self.sender = outbox, sender
+            sender.start()
+            self._log.info(
+                "reporting faults to the restarter",
+                address=settings.restarter_address,
+                outbox=str(outbox.directory),
+                pending=len(outbox),
+            )
+        else:
+            self._log.info("no faults.restarter_address: faults are only logged")
+        self._faults_on = True
+        if api is not None:
+            self.pod_exits = PodExitWatcher(api, node, self.report_fault)
+            self.pod_exits.start()
+
+    def stop_faults(self) -> None:
+        """Stop watching and sending; pending faults stay in the outbox on disk."""
+        self._faults_on = False
+        if self.pod_exits is not None:
+            self.pod_exits.stop()
+            self.pod_exits = None
+        if self.sender is not None:
+            self.sender.stop()
+            self.sender = None
+        if self.outbox is not None:
+            self.outbox.close()
+            self.outbox = None
+
+    def report_fault(self, fault: Fault) -> None:
+        """Log `fault` and keep it in the outbox for the restarter (any thread)."""
+        self._log.warning(
+            "fault observed",
+            fault_id=fault.id,
+            kind=str(fault.kind),
+            pods=[f"{p.namespace}/{p.name}" for p in fault.pods],
+            container=fault.container,
+            exit_code=fault.exit_code,
+            devices=list(fault.device_ids) or None,
+            reason=fault.reason,
+        )
+        outbox = self.outbox
+        if outbox is None:
+            return
+        try:
+            outbox.enqueue(fault)
+        except OutboxError as exc:  # closed while stopping: the fault is seen again next run
+            self._log.warning("fault not kept", fault_id=fault.id, error=str(exc))
+
+    def _device_faults(self, turned: list[tuple[str, Condition]]) -> None:
+        """Faults for devices that just turned Unhealthy, naming the pods that hold them."""
+        snapshot = self.state.snapshot()
+        holders = self._pods.pod_devices(snapshot.units)
+        node = snapshot.inventory.node
+        for device_id, condition in turned:
+            held_by = holders.get(device_id, [])
+            if not held_by:
+                self._log.info(
+                    "unhealthy device held by no pod: no fault to report",
+                    device=device_id,
+                    reason=condition.reason,
+                )
+                continue
+            age = max(0.0, time.monotonic() - condition.since)
+            containers = sorted({f"{p.namespace}/{p.pod}/{p.container}" for p in held_by})
+            held = f"held by {', '.join(containers)}"
+            detail = f"{condition.detail}; {held}" if condition.detail else held
+            self.report_fault(
+                Fault(
+                    id=device_unhealthy_id(node, device_id, condition.reason, condition.since),
+                    kind=FaultKind.DEVICE_UNHEALTHY,
+                    node=node,
+                    observed_at=datetime.now(UTC) - timedelta(seconds=age),
+                    pods=tuple(sorted({PodRef(p.namespace, p.pod) for p in held_by})),
+                    reason=condition.reason,
+                    device_ids=(device_id,),
+                    detail=detail,
+                )
+            )
 
     def set_cordon(self, cordon: Cordon) -> None:
         """Devices cordoned by the node annotation are advertised Unhealthy until released."""
@@ -215,8 +334,19 @@ class Agent:
             # reports it as an error); it must not take the vendor's other GPUs down with it.
             event = dataclasses.replace(event, level=Level.WARN)
         with self._health_lock:
-            changes = self.tracker.observe(event, self.state.snapshot().inventory.devices)
+            devices = self.state.snapshot().inventory.devices
+            changes = self.tracker.observe(event, devices)
             self._publish(changes)
+            turned: list[tuple[str, Condition]] = []
+            if self._faults_on and any(c.to == UNHEALTHY for c in changes):
+                conditions = self.tracker.unhealthy(devices)
+                turned = [
+                    (c.device_id, conditions[c.device_id])
+                    for c in changes
+                    if c.to == UNHEALTHY and c.device_id in conditions
+                ]
+        if turned:
+            self._guarded("device_faults", lambda: self._device_faults(turned))
         if event.level is not Level.IGNORE or changes:
             self._log.log(
                 30 if event.level.unhealthy and not event.cleared else 20,

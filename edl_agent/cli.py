@@ -32,6 +32,7 @@ from edl_agent.sim.profile import ProfileError, load_profile, profile_names
 EXIT_USAGE = 2
 KUBELET_DIR = "/var/lib/kubelet/device-plugins"
 POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
+STATE_DIR = "/var/lib/edl-agent"
 
 DESCRIPTION = """\
 edl-agent discovers the accelerators of a Kubernetes node (NVIDIA GPUs with MIG, Kunlunxin XPUs,
@@ -98,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
         "every advertised resource, one unix socket per resource in --kubelet-dir, and register "
         "each with kubelet.sock there. Kubelet restarts are followed (sockets re-served and "
         "registered again within a second); devices whose /dev nodes vanish turn Unhealthy; "
-        "the inventory is re-discovered periodically. SIGTERM or Ctrl-C stops the servers, "
+        "the inventory is re-discovered periodically. Non-zero container exits of this node's "
+        "pods and devices turning Unhealthy under pods are reported to --restarter-address "
+        "through a durable outbox in --state-dir. SIGTERM or Ctrl-C stops the servers, "
         "removes our sockets and exits 0. With --simulate and no kubelet dir configured, the "
         "simulated node's own var/lib/kubelet/device-plugins is used.",
         epilog=SETTINGS_EPILOG,
@@ -111,6 +114,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--metrics-addr", metavar="HOST:PORT", help="address for /metrics (default :9400)"
+    )
+    run.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        help="the agent's state; faults wait in DIR/outbox until the restarter acknowledges them "
+        "(default /var/lib/edl-agent; with --simulate, inside the simulated node)",
+    )
+    run.add_argument(
+        "--restarter-address",
+        metavar="HOST:PORT",
+        help="the restarter's fault intake; container exits on this node and unhealthy devices "
+        "held by pods are reported there (default: none, faults are only logged)",
     )
     run.set_defaults(handler=_run)
 
@@ -191,6 +206,10 @@ def settings_from_args(
             overrides[flag] = value
     if getattr(args, "kubelet_dir", None) is not None:
         set_path(overrides, ["plugin", "kubelet_dir"], args.kubelet_dir)
+    for flag in ("state_dir", "restarter_address"):
+        value = getattr(args, flag, None)
+        if value is not None:
+            set_path(overrides, ["faults", flag], value)
     if host_root is not None:
         overrides["host_root"] = host_root
     settings = load_settings(
@@ -218,6 +237,7 @@ def node_settings(args: argparse.Namespace) -> Iterator[Settings]:
         plugin_defaults = {"kubelet_dir": f"{tmp}{KUBELET_DIR}", **defaults.get("plugin", {})}
         defaults["plugin"] = plugin_defaults
         defaults.setdefault("pod_resources_socket", f"{tmp}{POD_RESOURCES_SOCKET}")
+        defaults["faults"] = {"state_dir": f"{tmp}{STATE_DIR}", **defaults.get("faults", {})}
         settings = settings_from_args(args, defaults=defaults, host_root=tmp)
         structlog.get_logger().info("building simulated node", profile=profile.name, root=tmp)
         _build_tree(profile.name, Path(tmp))
@@ -261,6 +281,7 @@ def _discover(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from edl_agent.agent import Agent
+    from edl_agent.faults.outbox import OutboxError
     from edl_agent.kube import KubeConfigError, connect
 
     with node_settings(args) as settings:
@@ -271,8 +292,14 @@ def _run(args: argparse.Namespace) -> int:
         except KubeConfigError as exc:
             raise UsageError(str(exc)) from None
         try:
+            agent.start_faults(api)
+        except (OutboxError, ValueError) as exc:
+            msg = f"faults: {exc}"
+            raise UsageError(msg) from None
+        try:
             agent.start_metrics()
         except OSError as exc:
+            agent.stop_faults()
             msg = f"metrics_addr {settings.metrics_addr}: {exc.strerror or exc}"
             raise UsageError(msg) from None
         agent.start_publisher(api)

@@ -207,6 +207,40 @@ class NodeSettings:
 
 
 @dataclass(frozen=True)
+class FaultSettings:
+    state_dir: str = "/var/lib/edl-agent"
+    """The agent's own state; faults wait in `<state_dir>/outbox` until the restarter
+    acknowledges them (they survive agent restarts and restarter outages). With --simulate:
+    inside the simulated tree."""
+    restarter_address: str = ""
+    """The restarter's fault intake (`host:port`, `unix:PATH`); empty: faults are only logged,
+    nothing is sent and no outbox is kept."""
+    token_file: str = "/var/run/secrets/edl-agent/token"  # noqa: S105 - a path, not a secret
+    """A projected ServiceAccount token with audience `edl-restarter`, re-read for every call."""
+    ca_file: str = ""
+    """PEM CA bundle the restarter's certificate is checked against (TLS); empty: plaintext,
+    allowed only to a loopback address or with `insecure`."""
+    server_name: str = ""
+    """The name the restarter's certificate must carry, when it is not the address's host."""
+    insecure: bool = False
+    """Allow plaintext to a non-loopback restarter (the token then crosses the network in
+    clear)."""
+
+    def check(self) -> None:
+        from edl_agent.faults.sender import is_loopback
+
+        if not self.restarter_address:
+            return
+        if not self.state_dir:
+            raise ValueError("state_dir: must be set when restarter_address is")
+        if not self.ca_file and not self.insecure and not is_loopback(self.restarter_address):
+            raise ValueError(
+                f"ca_file: must be set to send to {self.restarter_address} (or set insecure "
+                "to allow the token to cross the network in plaintext)"
+            )
+
+
+@dataclass(frozen=True)
 class Settings:
     node_name: str = ""
     """The Kubernetes node this agent runs on; default: $NODE_NAME, else the host's hostname."""
@@ -228,6 +262,8 @@ class Settings:
     """Address of /metrics, /healthz and /readyz (`:9400`, `127.0.0.1:9400`); empty: none."""
     pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
     """Kubelet's pod-resources socket, to label device metrics with the pods holding them."""
+    faults: FaultSettings = field(default_factory=FaultSettings)
+    """Fault reports to the restarter: container exits on this node, unhealthy devices."""
     sharing: tuple[SharingRule, ...] = ()
     """Sharing rules per resource: [{resource, keep_whole, replicas, replica_resource,
     memory_unit_mib, memory_resource, core_unit_percent, core_resource}]; see README."""

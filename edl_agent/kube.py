@@ -143,9 +143,48 @@ class KubeApi:
         """(type, object) for one Node until the server ends the watch. Needs only `watch` on
         nodes (the name is a field selector). A 410 (too old a version) raises ApiError(410).
         `opened` gets the connection: closing it from another thread ends the watch."""
+        return self._stream(
+            self._core.list_node,
+            field_selector=f"metadata.name={name}",
+            resource_version=resource_version,
+            timeout_seconds=timeout_seconds,
+            opened=opened,
+        )
+
+    def list_pods(self, field_selector: str) -> dict[str, Any]:
+        """A PodList across namespaces (`items`, `metadata.resourceVersion`); needs `list`."""
+        return self._call(self._core.list_pod_for_all_namespaces, field_selector=field_selector)
+
+    def watch_pods(
+        self,
+        field_selector: str,
+        *,
+        resource_version: str | None,
+        timeout_seconds: int,
+        opened: Callable[[Closable], None] | None = None,
+    ) -> Iterator[tuple[str, dict[str, Any]]]:
+        """(type, object) for the pods matching `field_selector` in every namespace, as
+        `watch_node`; BOOKMARK events carry only `metadata.resourceVersion`."""
+        return self._stream(
+            self._core.list_pod_for_all_namespaces,
+            field_selector=field_selector,
+            resource_version=resource_version,
+            timeout_seconds=timeout_seconds,
+            opened=opened,
+        )
+
+    def _stream(
+        self,
+        list_method: Any,
+        *,
+        field_selector: str,
+        resource_version: str | None,
+        timeout_seconds: int,
+        opened: Callable[[Closable], None] | None,
+    ) -> Iterator[tuple[str, dict[str, Any]]]:
         try:
-            response = self._core.list_node(
-                field_selector=f"metadata.name={name}",
+            response = list_method(
+                field_selector=field_selector,
                 watch=True,
                 allow_watch_bookmarks=True,
                 resource_version=resource_version,

@@ -1,0 +1,226 @@
+"""The agent's pod watcher: containers on this node that exited with a non-zero code, as faults.
+
+One thread lists the pods on the node (field selector `spec.nodeName=<node>`, every namespace)
+and then watches them from the list's resourceVersion. Every container — init containers too —
+whose `state.terminated` or `lastState.terminated` has a non-zero `exitCode` becomes a
+CONTAINER_EXIT fault whose id comes from `ids.container_exit_id`, so the same exit seen again (in
+the next MODIFIED event, after a re-list, after an agent restart, or by the restarter's own
+watcher) carries the same id. Ids already handed on are remembered (the newest `REMEMBERED`) so
+that a pod's later status updates do not enqueue its exits again; after a restart the outbox and
+the restarter's intake answer them as duplicates.
+
+The watch is started again whenever the server ends it, from a fresh list after 410 Gone, and
+after a back-off (doubling up to `retry_max_seconds`) on any other failure; a failure is logged
+and counted, never the end of the watching. RBAC cannot restrict `list`/`watch` of pods to one
+node: the field selector is ours.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+import structlog
+
+from edl_agent.faults.ids import container_exit_id
+from edl_agent.faults.model import Fault, FaultKind, PodRef
+from edl_agent.faults.sender import backoff_delay
+from edl_agent.kube import GONE, ApiError, Closable, KubeApi
+
+REMEMBERED = 10_000
+MAX_DETAIL = 512
+STATUS_LISTS = ("initContainerStatuses", "containerStatuses", "ephemeralContainerStatuses")
+
+
+def parse_time(text: object) -> datetime | None:
+    """An RFC 3339 time from the API (`2026-05-01T12:00:00Z`) as aware UTC; None if absent."""
+    if not isinstance(text, str) or not text:
+        return None
+    try:
+        parsed = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return parsed.astimezone(UTC) if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def container_exits(
+    pod: Mapping[str, Any], node: str, *, now: Callable[[], datetime] = lambda: datetime.now(UTC)
+) -> list[Fault]:
+    """The non-zero container exits recorded in one pod's status, as faults (pure)."""
+    metadata = pod.get("metadata") or {}
+    ref = PodRef(
+        namespace=str(metadata.get("namespace", "")),
+        name=str(metadata.get("name", "")),
+        uid=str(metadata.get("uid", "")),
+    )
+    status = pod.get("status") or {}
+    faults: list[Fault] = []
+    for key in STATUS_LISTS:
+        for container in status.get(key) or ():
+            name = str(container.get("name", ""))
+            restarts = int(container.get("restartCount") or 0)
+            # The exit in lastState happened before the restart that bumped restartCount.
+            for which, restart_count in (("state", restarts), ("lastState", restarts - 1)):
+                terminated = (container.get(which) or {}).get("terminated")
+                if not terminated:
+                    continue
+                exit_code = int(terminated.get("exitCode") or 0)
+                if exit_code == 0:
+                    continue
+                if restart_count < 0:
+                    continue  # a status no kubelet writes: no number for this exit
+                finished = parse_time(terminated.get("finishedAt"))
+                fault_id = container_exit_id(ref.uid, name, restart_count)
+                faults.append(
+                    Fault(
+                        id=fault_id,
+                        kind=FaultKind.CONTAINER_EXIT,
+                        node=node,
+                        observed_at=finished or now(),
+                        pods=(ref,),
+                        container=name,
+                        exit_code=exit_code,
+                        reason=str(terminated.get("reason") or "Error"),
+                        detail=str(terminated.get("message") or "")[:MAX_DETAIL],
+                    )
+                )
+    return faults
+
+
+class PodExitWatcher:
+    """Watches the pods on `node` and hands every new non-zero container exit to `on_fault`."""
+
+    def __init__(
+        self,
+        api: KubeApi,
+        node: str,
+        on_fault: Callable[[Fault], None],
+        *,
+        timeout_seconds: int = 300,
+        retry_seconds: float = 1.0,
+        retry_max_seconds: float = 60.0,
+    ) -> None:
+        self.api = api
+        self.node = node
+        self.on_fault = on_fault
+        self.timeout_seconds = timeout_seconds
+        self.retry_seconds = retry_seconds
+        self.retry_max_seconds = retry_max_seconds
+        self.failures = 0
+        self.relists = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._response: Closable | None = None
+        self._listed = threading.Event()
+        self._reported: OrderedDict[str, None] = OrderedDict()
+        self._selector = f"spec.nodeName={node}"
+        self._log = structlog.get_logger().bind(part="pod-exit-watch", node=node)
+
+    def start(self) -> None:
+        if self._thread is not None:
+            msg = "PodExitWatcher already started"
+            raise RuntimeError(msg)
+        self._thread = threading.Thread(target=self._run, name="pod-exit-watch", daemon=True)
+        self._thread.start()
+
+    def wait_listed(self, timeout: float) -> bool:
+        """True once the node's pods have been listed at least once."""
+        return self._listed.wait(timeout)
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        response = self._response
+        if response is not None:
+            _shutdown(response)
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                self._log.warning("pod watcher did not stop in time", timeout=timeout)
+
+    def _opened(self, response: Closable) -> None:
+        self._response = response
+        if self._stop.is_set():
+            _shutdown(response)
+
+    def _run(self) -> None:
+        version: str | None = None
+        failures_in_row = 0
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                if version is None:
+                    version = self._list()
+                version = self._watch(version)
+                failures_in_row = 0
+                if time.monotonic() - started < 1.0:
+                    self._stop.wait(1.0)  # a server or proxy ending watches at once: no spinning
+            except ApiError as exc:
+                if self._stop.is_set():
+                    return
+                if exc.status == GONE:
+                    self.relists += 1
+                    version = None  # too old: list again
+                    continue
+                failures_in_row += 1
+                self._failed(str(exc), failures_in_row)
+            except Exception as exc:  # a bug must not end the watching: retry like a failure
+                if self._stop.is_set():
+                    return
+                self._log.exception("pod watcher crashed")
+                failures_in_row += 1
+                version = None
+                self._failed(f"{type(exc).__name__}: {exc}", failures_in_row)
+
+    def _list(self) -> str | None:
+        listing = self.api.list_pods(self._selector)
+        for pod in listing.get("items") or ():
+            self._observe(pod)
+        self._listed.set()
+        version = (listing.get("metadata") or {}).get("resourceVersion")
+        return str(version) if version else None
+
+    def _watch(self, version: str | None) -> str | None:
+        stream: Iterator[tuple[str, dict[str, Any]]] = self.api.watch_pods(
+            self._selector,
+            resource_version=version,
+            timeout_seconds=self.timeout_seconds,
+            opened=self._opened,
+        )
+        for kind, pod in stream:
+            version = (pod.get("metadata") or {}).get("resourceVersion") or version
+            if kind in ("ADDED", "MODIFIED"):
+                self._observe(pod)
+        return version
+
+    def _observe(self, pod: Mapping[str, Any]) -> None:
+        for fault in container_exits(pod, self.node):
+            if fault.id in self._reported:
+                continue
+            self.on_fault(fault)
+            self._reported[fault.id] = None
+            while len(self._reported) > REMEMBERED:
+                self._reported.popitem(last=False)
+
+    def _failed(self, error: str, in_row: int) -> None:
+        self.failures += 1
+        self._log.warning("pod watch failed; retrying", error=error, failures=self.failures)
+        self._stop.wait(
+            backoff_delay(
+                in_row,
+                initial=self.retry_seconds,
+                maximum=self.retry_max_seconds,
+                jitter=random.random(),  # noqa: S311 - spreading retries, not secrets
+            )
+        )
+
+
+def _shutdown(response: Closable) -> None:
+    """Unblock the read the watch thread waits in (urllib3 >= 2.3; else close the response)."""
+    shutdown = getattr(response, "shutdown", None) or getattr(response, "close", None)
+    if shutdown is not None:
+        shutdown()

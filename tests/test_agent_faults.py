@@ -1,0 +1,166 @@
+"""Fault reports from the node agent: ids, container exits read from pod status, and device
+faults from the health stream naming the pods that hold the device."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from edl_agent.agent import Agent
+from edl_agent.cli import build_parser, settings_from_args
+from edl_agent.config import ConfigError, load_settings
+from edl_agent.faults.ids import container_exit_id, device_unhealthy_id
+from edl_agent.faults.model import FaultKind, PodRef
+from edl_agent.faults.outbox import Outbox
+from edl_agent.faults.pod_exits import container_exits
+from edl_agent.sim.inject import inject_xid
+from edl_agent.sim.profile import load_profile
+from edl_agent.sim.tree import build_tree
+from tests.podresources_standin import PodResourcesStandIn
+
+FINISHED = "2026-05-01T12:00:00Z"
+
+
+def test_container_exit_ids_are_pure_and_name_the_exit() -> None:
+    assert container_exit_id("uid-1", "worker", 3) == "exit/uid-1/worker/3"
+    assert container_exit_id("uid-1", "worker", 3) == container_exit_id("uid-1", "worker", 3)
+    assert container_exit_id("uid-1", "worker", 3) != container_exit_id("uid-1", "worker", 4)
+    assert container_exit_id("uid-1", "worker", 3) != container_exit_id("uid-2", "worker", 3)
+
+
+def test_device_ids_are_stable_and_bounded() -> None:
+    one = device_unhealthy_id("node-a", "GPU-3", "XID79", 12.5)
+    assert one == device_unhealthy_id("node-a", "GPU-3", "XID79", 12.5)
+    assert one != device_unhealthy_id("node-a", "GPU-3", "XID79", 99.0)
+    assert len(device_unhealthy_id("n" * 253, "GPU-3", "XID79", 1.0)) <= 256
+
+
+def status(name: str, restarts: int, **states: Any) -> dict[str, Any]:
+    return {"name": name, "restartCount": restarts, **states}
+
+
+def terminated(code: int, reason: str = "Error") -> dict[str, Any]:
+    return {"terminated": {"exitCode": code, "reason": reason, "finishedAt": FINISHED}}
+
+
+def test_container_exits_from_pod_status() -> None:
+    pod = {
+        "metadata": {"namespace": "ml", "name": "trainer", "uid": "u1"},
+        "status": {
+            "initContainerStatuses": [status("init", 0, state=terminated(0, "Completed"))],
+            "containerStatuses": [
+                status("oom", 0, state=terminated(137, "OOMKilled")),
+                # Restarted twice: the second exit is in lastState, numbered 1.
+                status("flaky", 2, state={"running": {}}, lastState=terminated(1)),
+                status("fine", 0, state={"running": {}}),
+            ],
+        },
+    }
+    faults = container_exits(pod, "node-a")
+    assert [(f.id, f.container, f.exit_code, f.reason) for f in faults] == [
+        ("exit/u1/oom/0", "oom", 137, "OOMKilled"),
+        ("exit/u1/flaky/1", "flaky", 1, "Error"),
+    ]
+    assert {f.kind for f in faults} == {FaultKind.CONTAINER_EXIT}
+    assert {f.pods for f in faults} == {(PodRef("ml", "trainer", "u1"),)}
+    assert {f.observed_at for f in faults} == {datetime(2026, 5, 1, 12, tzinfo=UTC)}
+    assert {f.node for f in faults} == {"node-a"}
+
+
+def test_run_flags_and_the_simulated_state_dir() -> None:
+    args = build_parser().parse_args(
+        ["run", "--state-dir", "/srv/edl", "--restarter-address", "127.0.0.1:9443"]
+    )
+    settings = settings_from_args(args, environ={})
+    assert settings.faults.state_dir == "/srv/edl"
+    assert settings.faults.restarter_address == "127.0.0.1:9443"
+    with pytest.raises(ConfigError, match="ca_file"):
+        load_settings(overrides={"faults": {"restarter_address": "10.1.2.3:9443"}})
+    insecure = {"restarter_address": "10.1.2.3:9443", "insecure": True}
+    assert load_settings(overrides={"faults": insecure}).faults.insecure
+
+
+def unused_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def wait_until(what: str, done: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def pod_resources(tmp_path: Path) -> Iterator[PodResourcesStandIn]:
+    standin = PodResourcesStandIn(tmp_path / "pod-resources" / "kubelet.sock")
+    standin.start()
+    yield standin
+    standin.stop()
+
+
+def test_an_xid_on_a_held_gpu_is_a_fault_naming_the_pod(
+    tmp_path: Path, pod_resources: PodResourcesStandIn
+) -> None:
+    profile = load_profile("dgx-h100")
+    tree = tmp_path / "node"
+    build_tree(profile, tree)
+    state_dir = tmp_path / "state"
+    (tmp_path / "token").write_text("token")
+    settings = load_settings(
+        defaults=profile.config,
+        overrides={
+            "host_root": str(tree),
+            "metrics_addr": "",
+            "plugin": {"kubelet_dir": str(tmp_path / "kubelet")},
+            "pod_resources_socket": str(pod_resources.socket),
+            "faults": {
+                "state_dir": str(state_dir),
+                # Nothing listens there: the fault waits in the outbox.
+                "restarter_address": f"127.0.0.1:{unused_port()}",
+                "token_file": str(tmp_path / "token"),
+            },
+        },
+    )
+    (tmp_path / "kubelet").mkdir()
+    agent = Agent(settings)
+    gpus = {d.index: d for d in agent.state.snapshot().inventory.devices}
+    pod_resources.assign({("ml", "trainer-x"): {"main": {"nvidia.com/gpu": [gpus[3].id]}}})
+    agent.start_faults(None)
+    thread = threading.Thread(target=agent.run, name="agent")
+    thread.start()
+    try:
+        assert agent.wait_ready(20)
+        outbox = agent.outbox
+        assert outbox is not None
+        wait_until("the NVML watcher", lambda: agent.nvml is not None and agent.nvml.ready)
+        inject_xid(tree, 5, 79)  # held by no pod: logged, nothing to restart
+        inject_xid(tree, 3, 79)
+        wait_until("GPU 3 unhealthy", lambda: gpus[3].id in agent.unhealthy())
+        wait_until("the device fault", lambda: len(outbox) > 0)
+        assert gpus[5].id in agent.unhealthy()
+    finally:
+        agent.stop.set()
+        thread.join(timeout=10)
+    assert not thread.is_alive()
+    assert agent.outbox is None  # closed on stop, so a restarted agent can open it
+    reopened = Outbox(state_dir / "outbox")  # the fault outlives the agent
+    try:
+        [fault] = reopened.pending()
+    finally:
+        reopened.close()
+    assert fault.kind is FaultKind.DEVICE_UNHEALTHY
+    assert fault.device_ids == (gpus[3].id,)
+    assert fault.pods == (PodRef("ml", "trainer-x"),)
+    assert fault.reason == "XID79"
+    assert fault.node == agent.state.snapshot().inventory.node
+    assert "ml/trainer-x/main" in fault.detail
