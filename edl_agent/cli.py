@@ -26,6 +26,7 @@ from edl_agent.config import (
 )
 from edl_agent.devices.model import Inventory
 from edl_agent.errors import UsageError
+from edl_agent.restarter import cli as restarter_cli
 from edl_agent.sim import inject_cli
 from edl_agent.sim.profile import ProfileError, load_profile, profile_names
 
@@ -128,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
         "held by pods are reported there (default: none, faults are only logged)",
     )
     run.set_defaults(handler=_run)
+
+    restarter_cli.add_parser(commands)
 
     config = commands.add_parser(
         "config",

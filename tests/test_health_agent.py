@@ -109,9 +109,10 @@ def test_lost_gpu_stays_unhealthy_until_rediscovery_finds_it(tmp_path: Path) -> 
 
 def test_nvml_failure_marks_every_gpu_unhealthy_and_not_ready(tmp_path: Path) -> None:
     with running_node(tmp_path, "mixed-gpu-npu") as node:
-        node.agent.nvml.retry_seconds = 0.2  # type: ignore[union-attr]
         ids = gpu_ids(node)
-        watch = watch_gpus(node)
+        watch = watch_gpus(node)  # the NVML watcher runs once the agent is ready
+        assert node.agent.nvml is not None
+        node.agent.nvml.retry_seconds = 0.2
         assert node.agent.ready() == (True, "ok")
         inject.set_nvml_init_failure(node.tree, on=True)
         update = watch.until(lambda u: set(health_of(u).values()) == {"Unhealthy"})

@@ -6,7 +6,7 @@ again — so that the restarter acts on it once (its intake answers a known id a
 Ids are therefore derived from the fault's own identity, never from when it was observed or
 from a counter of ours. The restarter's pod watcher must build CONTAINER_EXIT ids with
 `container_exit_id` from the same status fields (it yields the `exit/<uid>/<container>/<n>`
-form `edl_agent.restarter.watchers.exit_fault_id` uses).
+form the restarter's watcher uses too).
 """
 
 from __future__ import annotations

@@ -1,0 +1,238 @@
+"""What the restarter does to the cluster: write a policy's status, replace pods.
+
+Order matters (see `decide`): the controller persists a decision's record through `write_status`
+(a PUT of the status subresource carrying the resourceVersion it read, so a concurrent writer
+makes it fail with `Conflict` and the caller re-reads and decides again) and only then calls
+`replace`. A bare pod is deleted (grace 0 when its node is gone) and created again under a new
+name, `<base>-r<count>`: the same labels, annotations and spec without the node binding, the
+restart count in annotation `edl.io/restart-count` and env `EDL_RESTART_COUNT` of every
+container, and for node and device faults a required node affinity away from the failed node.
+The name depends only on the count, so a retried replacement finds its pod already there
+(AlreadyExists) instead of making a second. A pod a controller owns (a Job, a StatefulSet) is
+only deleted: its controller makes the replacement.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+import urllib3
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from edl_agent.faults.model import FaultKind
+from edl_agent.kube import CONFLICT, NOT_FOUND, REQUEST_TIMEOUT, ApiError
+from edl_agent.restarter.watchers import DELETED_BY_ANNOTATION, RESTARTER
+
+log = structlog.get_logger(__name__)
+
+GROUP, VERSION, PLURAL = "edl.io", "v1alpha1", "faulttolerancepolicies"
+RESTART_COUNT_ANNOTATION = "edl.io/restart-count"
+BASE_NAME_ANNOTATION = "edl.io/base-name"
+REPLACES_ANNOTATION = "edl.io/replaces"
+RESTART_COUNT_ENV = "EDL_RESTART_COUNT"
+ALREADY_EXISTS = 409
+NODE_FAULTS = frozenset({FaultKind.NODE_NOT_READY, FaultKind.DEVICE_UNHEALTHY})
+MAX_BASE = 240
+_POD_META_KEPT = ("labels", "annotations")
+_POD_SPEC_DROPPED = ("nodeName", "ephemeralContainers")
+
+
+class Conflict(Exception):
+    """The policy changed since it was read: read it again and decide again."""
+
+
+@dataclass(frozen=True)
+class Replacement:
+    old: str
+    new: str | None  # None: deleted only (controller-owned), or nothing to replace
+    forced: bool
+
+
+class Actuator:
+    def __init__(
+        self,
+        api: client.ApiClient,
+        *,
+        before_delete: Callable[[str], None] = lambda _uid: None,
+    ) -> None:
+        """`before_delete(uid)` runs before each deletion (the watcher's `ignore_uid`)."""
+        self._core: Any = client.CoreV1Api(api)
+        self._objects: Any = client.CustomObjectsApi(api)
+        self._before_delete = before_delete
+
+    # --- policies ------------------------------------------------------------------------
+
+    def read_policy(self, namespace: str, name: str) -> dict[str, Any]:
+        return _call(
+            self._objects.get_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name
+        )
+
+    def write_status(self, policy: Mapping[str, Any], status: Mapping[str, Any]) -> dict[str, Any]:
+        """Replace the status of `policy` (as read); `Conflict` when it changed since."""
+        meta = policy["metadata"]
+        body = {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "FaultTolerancePolicy",
+            "metadata": {
+                "name": meta["name"],
+                "namespace": meta["namespace"],
+                "resourceVersion": meta["resourceVersion"],
+            },
+            "spec": policy.get("spec", {}),
+            "status": dict(status),
+        }
+        try:
+            return _call(
+                self._objects.replace_namespaced_custom_object_status,
+                GROUP,
+                VERSION,
+                meta["namespace"],
+                PLURAL,
+                meta["name"],
+                body,
+            )
+        except ApiError as exc:
+            if exc.status == CONFLICT:
+                raise Conflict(str(exc)) from None
+            raise
+
+    # --- pods ----------------------------------------------------------------------------
+
+    def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        data = _call(self._core.list_namespaced_pod, namespace, label_selector=selector)
+        return list(data.get("items") or [])
+
+    def read_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return _call(self._core.read_namespaced_pod, name, namespace)
+        except ApiError as exc:
+            if exc.status == NOT_FOUND:
+                return None
+            raise
+
+    def replace(
+        self, pod: Mapping[str, Any], *, fault_kind: FaultKind, failed_node: str, force: bool
+    ) -> Replacement:
+        """Delete `pod` and, unless a controller owns it, create its replacement."""
+        meta = pod["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        owned = any(ref.get("controller") for ref in meta.get("ownerReferences") or [])
+        self._delete(pod, force=force)
+        if owned:
+            log.info("deleted a controller-owned pod", pod=f"{namespace}/{name}", force=force)
+            return Replacement(name, None, force)
+        avoid = failed_node if fault_kind in NODE_FAULTS and failed_node else None
+        body = replacement_pod(pod, avoid_node=avoid)
+        new_name = body["metadata"]["name"]
+        try:
+            _call(self._core.create_namespaced_pod, namespace, body)
+        except ApiError as exc:
+            if exc.status != ALREADY_EXISTS:
+                raise
+            log.info("replacement exists already", pod=f"{namespace}/{new_name}")
+        log.info(
+            "pod replaced", old=f"{namespace}/{name}", new=f"{namespace}/{new_name}", force=force
+        )
+        return Replacement(name, new_name, force)
+
+    def _delete(self, pod: Mapping[str, Any], *, force: bool) -> None:
+        meta = pod["metadata"]
+        namespace, name, uid = meta["namespace"], meta["name"], meta.get("uid", "")
+        self._before_delete(uid)
+        patch = {"metadata": {"annotations": {DELETED_BY_ANNOTATION: RESTARTER}}}
+        try:
+            _call(
+                self._core.patch_namespaced_pod,
+                name,
+                namespace,
+                patch,
+                _content_type="application/merge-patch+json",
+            )
+            body = client.V1DeleteOptions(
+                grace_period_seconds=0 if force else None,
+                preconditions=client.V1Preconditions(uid=uid) if uid else None,
+            )
+            _call(self._core.delete_namespaced_pod, name, namespace, body=body)
+        except ApiError as exc:
+            if exc.status not in (NOT_FOUND, CONFLICT):  # gone, or another pod by that name
+                raise
+
+
+def replacement_pod(pod: Mapping[str, Any], *, avoid_node: str | None) -> dict[str, Any]:
+    """The pod to create in place of `pod` (a dict as the API returned it)."""
+    meta = pod["metadata"]
+    annotations = dict(meta.get("annotations") or {})
+    annotations.pop(DELETED_BY_ANNOTATION, None)
+    count = _int(annotations.get(RESTART_COUNT_ANNOTATION)) + 1
+    base = annotations.get(BASE_NAME_ANNOTATION) or str(meta["name"])
+    annotations.update(
+        {
+            RESTART_COUNT_ANNOTATION: str(count),
+            BASE_NAME_ANNOTATION: base,
+            REPLACES_ANNOTATION: str(meta["name"]),
+        }
+    )
+    new_meta: dict[str, Any] = {k: copy.deepcopy(meta[k]) for k in _POD_META_KEPT if k in meta}
+    new_meta["annotations"] = annotations
+    new_meta["name"] = f"{base[:MAX_BASE].rstrip('-.')}-r{count}"
+    spec = copy.deepcopy(dict(pod.get("spec") or {}))
+    for key in _POD_SPEC_DROPPED:
+        spec.pop(key, None)
+    for key in ("containers", "initContainers"):
+        for container in spec.get(key) or []:
+            env = [e for e in container.get("env") or [] if e.get("name") != RESTART_COUNT_ENV]
+            container["env"] = [*env, {"name": RESTART_COUNT_ENV, "value": str(count)}]
+    if avoid_node:
+        _avoid(spec, avoid_node)
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": new_meta, "spec": spec}
+
+
+def _avoid(spec: dict[str, Any], node: str) -> None:
+    """Add `metadata.name NotIn [node]` to every required node selector term (they are ORed)."""
+    affinity = spec.setdefault("affinity", {})
+    node_affinity = affinity.setdefault("nodeAffinity", {})
+    required = node_affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
+    terms = required.setdefault("nodeSelectorTerms", [])
+    if not terms:
+        terms.append({})
+    for term in terms:
+        fields = term.setdefault("matchFields", [])
+        existing = next(
+            (f for f in fields if f.get("key") == "metadata.name" and f.get("operator") == "NotIn"),
+            None,
+        )
+        if existing is None:
+            fields.append({"key": "metadata.name", "operator": "NotIn", "values": [node]})
+        elif node not in existing.get("values", []):
+            existing["values"] = [*existing.get("values", []), node]
+
+
+def _int(text: str | None) -> int:
+    try:
+        return max(0, int(text or 0))
+    except ValueError:
+        return 0
+
+
+def _call(method: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    try:
+        response = method(*args, _preload_content=False, _request_timeout=REQUEST_TIMEOUT, **kwargs)
+    except ApiException as exc:
+        raise ApiError(exc.status, _message(exc)) from None
+    except (OSError, urllib3.exceptions.HTTPError) as exc:
+        raise ApiError(None, f"{type(exc).__name__}: {exc}") from None
+    data: dict[str, Any] = json.loads(response.data)
+    return data
+
+
+def _message(exc: ApiException) -> str:
+    try:
+        return str(json.loads(exc.body or "")["message"])
+    except (ValueError, KeyError, TypeError):
+        return str(exc.reason or exc)

@@ -1,0 +1,478 @@
+"""The restarter's own eyes: list+watch Pods and Nodes and turn what they show into Faults.
+
+`ListWatch` keeps one resource's list-then-watch loop alive in a thread: a 410 Gone (too old a
+resourceVersion) re-lists, any other failure retries after a backoff (1 s doubling to 30 s).
+
+`ClusterWatcher` caches pods (and keeps the last state of deleted ones for a while, so the
+controller can still read a force-deleted pod's labels) and derives faults (source "restarter"):
+
+  a container terminated with a non-zero code   ContainerExit  id exit/<uid>/<container>/<restarts>
+  deleted with grace 0 before it terminated     PodForceDeleted  id forcedelete/<uid>
+  status.reason Evicted or DisruptionTarget     PodEvicted       id evicted/<uid>
+  its node Ready False/Unknown for node_grace   NodeNotReady     id notready/<node>/<since>/<uid>
+
+The ids depend only on what happened, so an agent reporting the same exit (same pod uid,
+container and restartCount) and a re-list after a reconnect give the same id. Pods the actuator
+deleted itself (annotation `DELETED_BY_ANNOTATION`, or a uid passed to `ignore_uid`) give no
+faults.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+import structlog
+import urllib3
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from edl_agent.faults.ids import container_exit_id
+from edl_agent.faults.model import Fault, FaultKind, PodRef
+from edl_agent.kube import GONE, REQUEST_TIMEOUT
+
+log = structlog.get_logger(__name__)
+
+DELETED_BY_ANNOTATION = "edl.io/deleted-by"
+RESTARTER = "edl-restarter"
+WATCH_TIMEOUT = 300
+MAX_RETRY_DELAY = 30.0
+KEEP_DELETED = 2048
+KEEP_IDS = 100_000
+
+Lister = Callable[..., Any]
+
+
+class WatchFailed(Exception):
+    def __init__(self, status: int | None, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def parse_k8s_time(text: str | None) -> datetime | None:
+    if not text:
+        return None
+    try:
+        return datetime.fromisoformat(text.replace("Z", "+00:00")).astimezone(UTC)
+    except ValueError:
+        return None
+
+
+class ListWatch:
+    """List, then watch from the list's resourceVersion, forever (until `stop`).
+
+    `list_call(**kwargs)` is a kubernetes client list method bound to its namespace (or cluster
+    wide); `on_list(items)` gets every full list, `on_event(type, object)` each watch event."""
+
+    def __init__(
+        self,
+        name: str,
+        list_call: Lister,
+        *,
+        on_list: Callable[[list[dict[str, Any]]], None],
+        on_event: Callable[[str, dict[str, Any]], None],
+    ) -> None:
+        self.name = name
+        self._list = list_call
+        self._on_list = on_list
+        self._on_event = on_event
+        self._stopping = threading.Event()
+        self._response: Any = None
+        self._thread = threading.Thread(target=self._run, name=f"watch-{name}", daemon=True)
+        self.synced = threading.Event()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        response = self._response
+        if response is not None:
+            # urllib3 >= 2.3 unblocks the reading thread; close() would wait for its read.
+            (getattr(response, "shutdown", None) or response.close)()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        delay = 1.0
+        version: str | None = None
+        while not self._stopping.is_set():
+            try:
+                if version is None:
+                    version = self._relist()
+                for kind, obj in self._watch(version):
+                    if kind == "BOOKMARK":
+                        version = obj.get("metadata", {}).get("resourceVersion") or version
+                        continue
+                    version = obj.get("metadata", {}).get("resourceVersion") or version
+                    self._on_event(kind, obj)
+                delay = 1.0  # the server ended the watch normally
+            except WatchFailed as exc:
+                if self._stopping.is_set():
+                    return
+                if exc.status == GONE:
+                    log.info("watch expired; listing again", watch=self.name)
+                    version = None
+                    continue
+                log.warning("watch failed; retrying", watch=self.name, error=str(exc), delay=delay)
+                self._stopping.wait(delay)
+                delay = min(delay * 2, MAX_RETRY_DELAY)
+            except Exception:
+                if self._stopping.is_set():
+                    return
+                log.exception("watch handler failed; listing again", watch=self.name)
+                version = None
+                self._stopping.wait(delay)
+                delay = min(delay * 2, MAX_RETRY_DELAY)
+
+    def _relist(self) -> str:
+        try:
+            response = self._list(_preload_content=False, _request_timeout=REQUEST_TIMEOUT)
+            data = json.loads(response.data)
+        except ApiException as exc:
+            raise WatchFailed(exc.status, f"list: HTTP {exc.status}: {exc.reason}") from None
+        except (OSError, ValueError, urllib3.exceptions.HTTPError) as exc:
+            raise WatchFailed(None, f"list: {type(exc).__name__}: {exc}") from None
+        self._on_list(list(data.get("items") or []))
+        self.synced.set()
+        return str(data.get("metadata", {}).get("resourceVersion", ""))
+
+    def _watch(self, version: str) -> Iterator[tuple[str, dict[str, Any]]]:
+        try:
+            response = self._list(
+                watch=True,
+                allow_watch_bookmarks=True,
+                resource_version=version,
+                timeout_seconds=WATCH_TIMEOUT,
+                _preload_content=False,
+                _request_timeout=(REQUEST_TIMEOUT[0], WATCH_TIMEOUT + 30),
+            )
+        except ApiException as exc:
+            raise WatchFailed(exc.status, f"watch: HTTP {exc.status}: {exc.reason}") from None
+        except (OSError, urllib3.exceptions.HTTPError) as exc:
+            raise WatchFailed(None, f"watch: {type(exc).__name__}: {exc}") from None
+        self._response = response
+        try:
+            for line in response:
+                if self._stopping.is_set():
+                    return
+                if not line.strip():
+                    continue
+                event = json.loads(line)
+                kind, body = str(event.get("type")), event.get("object") or {}
+                if kind == "ERROR":
+                    raise WatchFailed(body.get("code"), str(body.get("message", "watch error")))
+                yield kind, body
+        except (OSError, ValueError, urllib3.exceptions.HTTPError) as exc:
+            raise WatchFailed(None, f"watch broke: {type(exc).__name__}: {exc}") from None
+        finally:
+            self._response = None
+            response.release_conn()
+
+
+def pod_ref(pod: Mapping[str, Any]) -> PodRef:
+    meta = pod.get("metadata") or {}
+    return PodRef(
+        str(meta.get("namespace", "")), str(meta.get("name", "")), str(meta.get("uid", ""))
+    )
+
+
+def deleted_by_us(pod: Mapping[str, Any]) -> bool:
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    return annotations.get(DELETED_BY_ANNOTATION) == RESTARTER
+
+
+def terminated_phase(pod: Mapping[str, Any]) -> bool:
+    return (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+
+
+def exit_faults(pod: Mapping[str, Any], now: datetime, *, last: bool = True) -> list[Fault]:
+    """A fault for each container whose current (and with `last`, last) state is a non-zero
+    termination. A list passes last=False: a container kubelet restarted in place before the
+    restarter (re)started is running again, and its old exits are history, not faults."""
+    ref = pod_ref(pod)
+    node = str((pod.get("spec") or {}).get("nodeName") or "")
+    status = pod.get("status") or {}
+    faults = []
+    for cs in (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or []):
+        restarts = int(cs.get("restartCount") or 0)
+        states = (("state", restarts), ("lastState", restarts - 1))
+        for key, count in states if last else states[:1]:
+            term = (cs.get(key) or {}).get("terminated")
+            if not term or int(term.get("exitCode") or 0) == 0 or count < 0:
+                continue
+            faults.append(
+                Fault(
+                    id=container_exit_id(ref.uid, str(cs.get("name")), count),
+                    kind=FaultKind.CONTAINER_EXIT,
+                    node=node,
+                    observed_at=parse_k8s_time(term.get("finishedAt")) or now,
+                    pods=(ref,),
+                    container=str(cs.get("name")),
+                    exit_code=int(term["exitCode"]),
+                    reason=str(term.get("reason") or ""),
+                    source="restarter",
+                )
+            )
+    return faults
+
+
+def eviction_fault(pod: Mapping[str, Any], now: datetime) -> Fault | None:
+    status = pod.get("status") or {}
+    disruption = next(
+        (
+            c
+            for c in status.get("conditions") or []
+            if c.get("type") == "DisruptionTarget" and c.get("status") == "True"
+        ),
+        None,
+    )
+    if status.get("reason") != "Evicted" and disruption is None:
+        return None
+    ref = pod_ref(pod)
+    at = parse_k8s_time((disruption or {}).get("lastTransitionTime")) or now
+    return Fault(
+        id=f"evicted/{ref.uid}",
+        kind=FaultKind.POD_EVICTED,
+        node=str((pod.get("spec") or {}).get("nodeName") or ""),
+        observed_at=at,
+        pods=(ref,),
+        reason=str((disruption or {}).get("reason") or status.get("reason") or "Evicted"),
+        detail=str((disruption or {}).get("message") or status.get("message") or ""),
+        source="restarter",
+    )
+
+
+def force_delete_fault(pod: Mapping[str, Any], now: datetime) -> Fault | None:
+    meta = pod.get("metadata") or {}
+    if meta.get("deletionGracePeriodSeconds") != 0 or terminated_phase(pod):
+        return None
+    ref = pod_ref(pod)
+    return Fault(
+        id=f"forcedelete/{ref.uid}",
+        kind=FaultKind.POD_FORCE_DELETED,
+        node=str((pod.get("spec") or {}).get("nodeName") or ""),
+        observed_at=now,
+        pods=(ref,),
+        source="restarter",
+    )
+
+
+def not_ready_since(node: Mapping[str, Any]) -> datetime | None:
+    """When the node's Ready condition turned False/Unknown; None while it is Ready."""
+    for cond in (node.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == "Ready":
+            if cond.get("status") == "True":
+                return None
+            return parse_k8s_time(cond.get("lastTransitionTime")) or datetime.now(UTC)
+    return None
+
+
+class ClusterWatcher:
+    """Pods (in `namespaces`, or all) and Nodes, turned into faults for `on_fault`."""
+
+    def __init__(
+        self,
+        api: client.ApiClient,
+        *,
+        on_fault: Callable[[Fault], None],
+        namespaces: Iterable[str] = (),
+        node_grace: float = 40.0,
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ) -> None:
+        self._on_fault = on_fault
+        self._node_grace = node_grace
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._pods: dict[str, dict[str, Any]] = {}  # uid → pod
+        self._deleted: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._ignored: OrderedDict[str, None] = OrderedDict()
+        self._emitted: OrderedDict[str, None] = OrderedDict()
+        self._not_ready: dict[str, datetime] = {}  # node → since
+        self._stopping = threading.Event()
+        core: Any = client.CoreV1Api(api)
+        self._watches: list[ListWatch] = []
+        scopes: list[str | None] = [*namespaces] or [None]
+        for namespace in scopes:
+            call: Lister = (
+                core.list_pod_for_all_namespaces
+                if namespace is None
+                else _bind(core.list_namespaced_pod, namespace)
+            )
+            self._watches.append(
+                ListWatch(
+                    f"pods/{namespace or '*'}",
+                    call,
+                    on_list=functools.partial(self._pods_listed, namespace),
+                    on_event=self._pod_event,
+                )
+            )
+        self._watches.append(
+            ListWatch(
+                "nodes", core.list_node, on_list=self._nodes_listed, on_event=self._node_event
+            )
+        )
+        self._ticker = threading.Thread(target=self._tick, name="node-grace", daemon=True)
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        for watch in self._watches:
+            watch.start()
+        self._ticker.start()
+
+    def wait_synced(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        return all(w.synced.wait(max(0.0, deadline - time.monotonic())) for w in self._watches)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        for watch in self._watches:
+            watch.stop()
+        self._ticker.join(timeout=5)
+
+    # --- what the controller asks --------------------------------------------------------
+
+    def ignore_uid(self, uid: str) -> None:
+        """A pod the actuator is about to delete: its deletion and exits are no faults."""
+        with self._lock:
+            self._ignored[uid] = None
+            _trim(self._ignored, KEEP_IDS)
+
+    def find_pod(self, ref: PodRef) -> dict[str, Any] | None:
+        """The cached pod (also a recently deleted one), by uid, else namespace and name."""
+        with self._lock:
+            if ref.uid:
+                found = self._pods.get(ref.uid) or self._deleted.get(ref.uid)
+                if found is not None:
+                    return found
+            for pod in (*self._pods.values(), *reversed(self._deleted.values())):
+                if (pod_ref(pod).namespace, pod_ref(pod).name) == (ref.namespace, ref.name):
+                    return pod
+        return None
+
+    def pods_on(self, node: str) -> list[dict[str, Any]]:
+        with self._lock:
+            return [p for p in self._pods.values() if (p.get("spec") or {}).get("nodeName") == node]
+
+    def node_not_ready(self, node: str) -> bool:
+        with self._lock:
+            return node in self._not_ready
+
+    # --- pods ----------------------------------------------------------------------------
+
+    def _pods_listed(self, namespace: str | None, items: list[dict[str, Any]]) -> None:
+        with self._lock:
+            for uid, pod in list(self._pods.items()):
+                if namespace is None or pod_ref(pod).namespace == namespace:
+                    del self._pods[uid]
+            for pod in items:
+                self._pods[pod_ref(pod).uid] = pod
+        for pod in items:
+            self._pod_faults(pod, deleted=False, listed=True)
+
+    def _pod_event(self, kind: str, pod: dict[str, Any]) -> None:
+        uid = pod_ref(pod).uid
+        with self._lock:
+            if kind == "DELETED":
+                self._pods.pop(uid, None)
+                self._deleted[uid] = pod
+                _trim(self._deleted, KEEP_DELETED)
+            else:
+                self._pods[uid] = pod
+        self._pod_faults(pod, deleted=kind == "DELETED")
+
+    def _pod_faults(self, pod: dict[str, Any], *, deleted: bool, listed: bool = False) -> None:
+        with self._lock:
+            if pod_ref(pod).uid in self._ignored:
+                return
+        if deleted_by_us(pod):
+            return
+        now = self._clock()
+        faults = exit_faults(pod, now, last=not listed)
+        evicted = eviction_fault(pod, now)
+        if evicted is not None:
+            faults.append(evicted)
+        if deleted and not faults:
+            forced = force_delete_fault(pod, now)
+            if forced is not None:
+                faults.append(forced)
+        for fault in faults:
+            self._emit(fault)
+
+    # --- nodes ---------------------------------------------------------------------------
+
+    def _nodes_listed(self, items: list[dict[str, Any]]) -> None:
+        with self._lock:
+            self._not_ready.clear()
+        for node in items:
+            self._node_event("ADDED", node)
+
+    def _node_event(self, kind: str, node: dict[str, Any]) -> None:
+        name = str((node.get("metadata") or {}).get("name", ""))
+        since = None if kind == "DELETED" else not_ready_since(node)
+        with self._lock:
+            if since is None:
+                self._not_ready.pop(name, None)
+            else:
+                self._not_ready[name] = since
+
+    def _tick(self) -> None:
+        while not self._stopping.wait(0.5):
+            now = self._clock()
+            with self._lock:
+                due = [
+                    (n, s)
+                    for n, s in self._not_ready.items()
+                    if (now - s).total_seconds() >= self._node_grace
+                ]
+            for node, since in due:
+                for pod in self.pods_on(node):
+                    if terminated_phase(pod) or deleted_by_us(pod):
+                        continue
+                    ref = pod_ref(pod)
+                    with self._lock:
+                        if ref.uid in self._ignored:
+                            continue
+                    self._emit(
+                        Fault(
+                            id=f"notready/{node}/{since.isoformat()}/{ref.uid}",
+                            kind=FaultKind.NODE_NOT_READY,
+                            node=node,
+                            observed_at=since,
+                            pods=(ref,),
+                            detail=f"not Ready since {since.isoformat()}",
+                            source="restarter",
+                        )
+                    )
+
+    def _emit(self, fault: Fault) -> None:
+        with self._lock:
+            if fault.id in self._emitted:
+                return
+            self._emitted[fault.id] = None
+            _trim(self._emitted, KEEP_IDS)
+        log.info("fault observed", fault_id=fault.id, kind=str(fault.kind), node=fault.node)
+        try:
+            self._on_fault(fault)
+        except Exception:
+            with self._lock:
+                self._emitted.pop(fault.id, None)
+            log.exception("the fault sink failed", fault_id=fault.id)
+
+
+def _bind(method: Lister, namespace: str) -> Lister:
+    def call(**kwargs: Any) -> Any:
+        return method(namespace, **kwargs)
+
+    return call
+
+
+def _trim(entries: OrderedDict[str, Any], keep: int) -> None:
+    while len(entries) > keep:
+        entries.popitem(last=False)

@@ -1,0 +1,432 @@
+"""The restarter end to end on a real API server with KWOK nodes: the controller runs in-process
+(admin credentials), watches the test's namespace, decides by FaultTolerancePolicy objects and
+replaces pods. No scheduler runs, so replacements stay Pending; what matters is that they are
+created (and how: name, count, env, anti-affinity) and that the old pods go."""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from k8s_test_helpers import POD_FAIL_EXIT_CODE, POD_FAIL_LABEL, KwokCluster, wait_for
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from edl_agent.restarter.actuator import RESTART_COUNT_ANNOTATION, RESTART_COUNT_ENV
+from edl_agent.restarter.controller import Controller
+from edl_agent.restarter.status import LIMIT_EXCEEDED
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "daemonset"
+CRD = yaml.safe_load((DEPLOY / "crd-faulttolerancepolicy.yaml").read_text())
+RBAC = DEPLOY / "restarter-rbac.yaml"
+GROUP, VERSION, PLURAL = "edl.io", "v1alpha1", "faulttolerancepolicies"
+JOB, TYPE, INDEX = "edl.test/job", "edl.test/replica-type", "edl.test/replica-index"
+NOT_FOUND = 404
+
+MakePolicy = Callable[..., dict[str, Any]]
+
+
+@pytest.fixture(scope="module")
+def crd(k8s_api_client: client.ApiClient) -> Any:
+    extensions = client.ApiextensionsV1Api(k8s_api_client)
+    name = CRD["metadata"]["name"]
+    extensions.patch_custom_resource_definition(
+        name,
+        CRD,
+        field_manager="edl-tests",
+        force=True,
+        _content_type="application/apply-patch+yaml",
+    )
+    return wait_for(
+        f"CRD {name} Established",
+        lambda: extensions.read_custom_resource_definition(name),
+        lambda crd: any(
+            c.type == "Established" and c.status == "True" for c in crd.status.conditions or []
+        ),
+        timeout=30,
+    )
+
+
+@pytest.fixture
+def controller(
+    crd: Any, k8s: KwokCluster, k8s_api_client: client.ApiClient
+) -> Iterator[Controller]:
+    config = copy.copy(k8s_api_client.configuration)
+    config.connection_pool_maxsize = 16
+    api = client.ApiClient(config)
+    running = Controller(api, namespaces=[k8s.namespace], node_grace=1.0)
+    running.start()
+    assert running.wait_synced(30)
+    yield running
+    running.stop()
+    api.close()
+
+
+@pytest.fixture
+def restarter_rbac(k8s: KwokCluster) -> Iterator[None]:
+    """restarter-rbac.yaml for this test: `edl-system` becomes its namespace, cluster-wide
+    objects get per-test names."""
+    rbac = client.RbacAuthorizationV1Api(k8s.api)
+    suffix = k8s.namespace
+    undo: list[Callable[[], object]] = []
+    for doc in yaml.safe_load_all(RBAC.read_text().replace("edl-system", k8s.namespace)):
+        kind, meta = doc["kind"], doc["metadata"]
+        if kind == "ServiceAccount":
+            k8s.create_service_account(meta["name"])
+            continue
+        meta["name"] = name = f"{meta['name']}-{suffix}"
+        if "roleRef" in doc:
+            doc["roleRef"]["name"] += f"-{suffix}"
+        if kind == "ClusterRole":
+            rbac.create_cluster_role(doc)
+            undo.append(lambda n=name: rbac.delete_cluster_role(n))
+        elif kind == "ClusterRoleBinding":
+            rbac.create_cluster_role_binding(doc)
+            undo.append(lambda n=name: rbac.delete_cluster_role_binding(n))
+        elif kind == "Role":
+            rbac.create_namespaced_role(k8s.namespace, doc)
+        elif kind == "RoleBinding":
+            rbac.create_namespaced_role_binding(k8s.namespace, doc)
+        else:
+            raise AssertionError(f"unexpected {kind} in {RBAC}")
+    yield
+    for step in undo:
+        step()
+
+
+@pytest.fixture
+def objects(k8s_api_client: client.ApiClient) -> client.CustomObjectsApi:
+    return client.CustomObjectsApi(k8s_api_client)
+
+
+@pytest.fixture
+def make_policy(
+    controller: Controller, k8s: KwokCluster, objects: client.CustomObjectsApi
+) -> Iterator[MakePolicy]:
+    made: list[str] = []
+
+    def make(name: str = "train", **spec: Any) -> dict[str, Any]:
+        body = {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "FaultTolerancePolicy",
+            "metadata": {"name": name, "namespace": k8s.namespace},
+            "spec": {
+                "selector": {"matchLabels": {"app": "train"}},
+                "jobLabel": JOB,
+                "replicaTypeLabel": TYPE,
+                "replicaIndexLabel": INDEX,
+                "backoff": {"initialSeconds": 0, "maxSeconds": 0},
+                **spec,
+            },
+        }
+        created: dict[str, Any] = objects.create_namespaced_custom_object(
+            GROUP, VERSION, k8s.namespace, PLURAL, body, field_validation="Strict"
+        )
+        made.append(name)
+        wait_for(
+            f"the controller to see policy {name}",
+            lambda: controller.knows_policy(k8s.namespace, name),
+            bool,
+            timeout=10,
+        )
+        return created
+
+    yield make
+    for name in made:
+        objects.delete_namespaced_custom_object(GROUP, VERSION, k8s.namespace, PLURAL, name)
+
+
+def labels(job: str, replica_type: str, index: int) -> dict[str, str]:
+    return {"app": "train", JOB: job, TYPE: replica_type, INDEX: str(index)}
+
+
+def exit_pod(k8s: KwokCluster, name: str, code: int) -> None:
+    """Ask KWOK to end the pod's containers with `code`; unlike `KwokCluster.exit_pod` this does
+    not wait to see the exit, which the restarter may replace faster than one can poll."""
+    patch = {
+        "metadata": {
+            "labels": {POD_FAIL_LABEL: "true"},
+            "annotations": {POD_FAIL_EXIT_CODE: str(code)},
+        }
+    }
+    k8s.core.patch_namespaced_pod(name, k8s.namespace, patch)
+
+
+def pod_or_none(k8s: KwokCluster, name: str) -> Any:
+    try:
+        return k8s.read_pod(name)
+    except ApiException as exc:
+        if exc.status == NOT_FOUND:
+            return None
+        raise
+
+
+def wait_pod(k8s: KwokCluster, name: str, timeout: float = 10.0) -> Any:
+    return wait_for(f"pod {name}", lambda: pod_or_none(k8s, name), bool, timeout)
+
+
+def wait_gone(k8s: KwokCluster, name: str, timeout: float = 15.0) -> None:
+    wait_for(
+        f"pod {name} gone or terminating",
+        lambda: pod_or_none(k8s, name),
+        lambda pod: pod is None or pod.metadata.deletion_timestamp is not None,
+        timeout,
+    )
+
+
+def job_status(objects: client.CustomObjectsApi, namespace: str, policy: str) -> Any:
+    body = objects.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, policy)
+    jobs = (body.get("status") or {}).get("jobs") or []
+    return jobs[0] if jobs else None
+
+
+def wait_action(
+    objects: client.CustomObjectsApi, namespace: str, policy: str, count: int
+) -> dict[str, Any]:
+    job: dict[str, Any] = wait_for(
+        f"{count} decisions in {policy}'s status",
+        lambda: job_status(objects, namespace, policy),
+        lambda job: job is not None and len(job.get("lastActions", [])) >= count,
+        timeout=10,
+    )
+    return job
+
+
+def test_exit_137_replaces_the_pod_and_counts_the_restart(
+    k8s: KwokCluster, make_policy: MakePolicy, objects: client.CustomObjectsApi
+) -> None:
+    make_policy(faultTolerantPolicy=[{"restartPolicy": "ExitCode", "exitCodes": "129,137"}])
+    node = k8s.create_gpu_node()
+    name = "resnet-worker-0"
+    k8s.create_pod(name, node=node.metadata.name, labels=labels("resnet", "worker", 0))
+
+    asked = time.monotonic()
+    exit_pod(k8s, name, 137)
+    new, exited = None, None
+    while new is None and time.monotonic() - asked < 10:
+        time.sleep(0.005)
+        if exited is None:
+            old = pod_or_none(k8s, name)
+            state = old and old.status.container_statuses and old.status.container_statuses[0]
+            if state and state.state.terminated:
+                exited = time.monotonic()
+        new = pod_or_none(k8s, f"{name}-r1")
+    created = time.monotonic()
+    assert new is not None, "no replacement in 10 s"
+    after_exit = "missed" if exited is None else f"{created - exited:.3f}s"
+    print(
+        f"\nfault→replacement: {after_exit} from the exit's visibility in the API "
+        f"({created - asked:.3f}s from asking KWOK to exit the container)"
+    )
+    assert created - asked < 10
+
+    assert new.metadata.labels.items() >= labels("resnet", "worker", 0).items()  # same labels
+    assert new.metadata.annotations[RESTART_COUNT_ANNOTATION] == "1"
+    assert new.spec.node_name is None
+    for container in new.spec.containers:
+        assert {(e.name, e.value) for e in container.env} >= {(RESTART_COUNT_ENV, "1")}
+    assert new.spec.affinity is None  # an exit is no node fault
+    wait_gone(k8s, name)
+
+    job = wait_action(objects, k8s.namespace, "train", 1)
+    assert job["name"] == "resnet"
+    assert job["restarts"] == 1
+    assert job["lastActions"][-1]["action"] == "Restart"
+    time.sleep(1)
+    assert pod_or_none(k8s, f"{name}-r2") is None  # one fault, one replacement
+
+
+def test_an_exit_no_rule_matches_is_not_replaced_and_the_status_says_why(
+    k8s: KwokCluster, make_policy: MakePolicy, objects: client.CustomObjectsApi
+) -> None:
+    make_policy(faultTolerantPolicy=[{"restartPolicy": "ExitCode", "exitCodes": "129,137"}])
+    node = k8s.create_gpu_node()
+    name = "resnet-worker-0"
+    k8s.create_pod(name, node=node.metadata.name, labels=labels("resnet", "worker", 0))
+    exit_pod(k8s, name, 1)
+    job = wait_action(objects, k8s.namespace, "train", 1)
+    action = job["lastActions"][-1]
+    assert action["action"] == "Ignore"
+    assert "exit with code 1 of container worker matches no rule" in action["reason"]
+    assert job["restarts"] == 0
+    time.sleep(1)
+    assert pod_or_none(k8s, f"{name}-r1") is None
+    assert k8s.read_pod(name).metadata.deletion_timestamp is None
+
+
+def test_a_not_ready_node_gets_its_pod_force_deleted_and_replaced_elsewhere(
+    k8s: KwokCluster, make_policy: MakePolicy, objects: client.CustomObjectsApi
+) -> None:
+    make_policy(restartPolicy="OnNodeFail")
+    node = k8s.create_gpu_node().metadata.name
+    name = "bert-worker-1"
+    k8s.create_pod(name, node=node, labels=labels("bert", "worker", 1))
+    started = time.monotonic()
+    k8s.make_node_not_ready(node)
+    new = wait_pod(k8s, f"{name}-r1", timeout=15)
+    print(f"\nnode NotReady→replacement: {time.monotonic() - started:.3f}s (grace 1 s)")
+    assert pod_or_none(k8s, name) is None  # force-deleted: gone at once
+    terms = new.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution
+    assert [
+        (f.key, f.operator, f.values) for t in terms.node_selector_terms for f in t.match_fields
+    ] == [("metadata.name", "NotIn", [node])]
+    job = wait_action(objects, k8s.namespace, "train", 1)
+    assert job["lastActions"][-1]["fault"] == "NodeNotReady"
+    assert job["restarts"] == 1
+    time.sleep(1.5)
+    assert pod_or_none(k8s, f"{name}-r2") is None  # our own deletion is no PodForceDeleted
+
+
+def test_the_restart_limit_stops_the_third_restart(
+    k8s: KwokCluster, make_policy: MakePolicy, objects: client.CustomObjectsApi
+) -> None:
+    make_policy(
+        restartLimit=2, faultTolerantPolicy=[{"restartPolicy": "ExitCode", "exitCodes": 137}]
+    )
+    node = k8s.create_gpu_node().metadata.name
+    for index in range(3):
+        k8s.create_pod(f"gpt-worker-{index}", node=node, labels=labels("gpt", "worker", index))
+    for index in range(2):
+        exit_pod(k8s, f"gpt-worker-{index}", 137)
+        wait_pod(k8s, f"gpt-worker-{index}-r1")
+    exit_pod(k8s, "gpt-worker-2", 137)
+    job = wait_action(objects, k8s.namespace, "train", 3)
+    assert [a["action"] for a in job["lastActions"]] == ["Restart", "Restart", "LimitExceeded"]
+    assert job["restarts"] == 2
+    (condition,) = job["conditions"]
+    assert (condition["type"], condition["status"]) == (LIMIT_EXCEEDED, "True")
+    assert "restartLimit is 2" in condition["message"]
+    time.sleep(1)
+    assert pod_or_none(k8s, "gpt-worker-2-r1") is None
+
+
+def test_scope_all_replaces_every_pod_of_the_job_once(
+    k8s: KwokCluster, make_policy: MakePolicy, objects: client.CustomObjectsApi
+) -> None:
+    make_policy(
+        faultTolerantPolicy=[{"restartPolicy": "ExitCode", "exitCodes": 137, "restartScope": "All"}]
+    )
+    node = k8s.create_gpu_node().metadata.name
+    names = ["llm-master-0", "llm-worker-0", "llm-worker-1"]
+    for name in names:
+        _, replica_type, index = name.split("-")
+        k8s.create_pod(name, node=node, labels=labels("llm", replica_type, int(index)))
+    other = "other-worker-0"
+    k8s.create_pod(other, node=node, labels=labels("other", "worker", 0))
+
+    exit_pod(k8s, "llm-worker-0", 137)
+    for name in names:
+        assert wait_pod(k8s, f"{name}-r1").metadata.annotations[RESTART_COUNT_ANNOTATION] == "1"
+        wait_gone(k8s, name)
+    time.sleep(1.5)
+    for name in names:
+        assert pod_or_none(k8s, f"{name}-r2") is None
+    assert pod_or_none(k8s, f"{other}-r1") is None
+    assert k8s.read_pod(other).metadata.deletion_timestamp is None
+    job = wait_action(objects, k8s.namespace, "train", 1)
+    assert job["restarts"] == 1
+    assert [a["action"] for a in job["lastActions"]] == ["Restart"]
+
+
+def test_the_restarter_works_with_only_its_rbac(
+    crd: Any,
+    restarter_rbac: None,
+    k8s: KwokCluster,
+    k8s_api_client: client.ApiClient,
+    objects: client.CustomObjectsApi,
+) -> None:
+    """The same controller, as ServiceAccount edl-restarter bound by restarter-rbac.yaml."""
+    config = client.Configuration()
+    config.host = k8s_api_client.configuration.host
+    config.ssl_ca_cert = k8s_api_client.configuration.ssl_ca_cert
+    config.api_key = {"authorization": k8s.mint_token("edl-restarter")}
+    config.api_key_prefix = {"authorization": "Bearer"}
+    config.connection_pool_maxsize = 16
+    api = client.ApiClient(config)
+    running = Controller(api, namespaces=[k8s.namespace], node_grace=1.0)
+    running.start()
+    try:
+        assert running.wait_synced(30)
+        body = {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "FaultTolerancePolicy",
+            "metadata": {"name": "train", "namespace": k8s.namespace},
+            "spec": {
+                "selector": {"matchLabels": {"app": "train"}},
+                "jobLabel": JOB,
+                "replicaTypeLabel": TYPE,
+                "replicaIndexLabel": INDEX,
+                "restartPolicy": "Always",
+            },
+        }
+        objects.create_namespaced_custom_object(GROUP, VERSION, k8s.namespace, PLURAL, body)
+        wait_for("the policy", lambda: running.knows_policy(k8s.namespace, "train"), bool, 10)
+        node = k8s.create_gpu_node().metadata.name
+        k8s.create_pod("w-0", node=node, labels=labels("j", "worker", 0))
+        k8s.create_pod("w-1", node=node, labels=labels("j", "worker", 1))
+        exit_pod(k8s, "w-0", 3)
+        wait_pod(k8s, "w-0-r1")
+        wait_gone(k8s, "w-0")
+        k8s.make_node_not_ready(node)
+        assert wait_pod(k8s, "w-1-r1", timeout=15).spec.affinity is not None
+        assert pod_or_none(k8s, "w-1") is None
+        job = wait_action(objects, k8s.namespace, "train", 2)
+        assert job["restarts"] == 2
+    finally:
+        running.stop()
+        api.close()
+
+
+def test_a_force_deleted_or_evicted_pod_is_replaced(
+    k8s: KwokCluster, make_policy: MakePolicy, objects: client.CustomObjectsApi
+) -> None:
+    make_policy(
+        faultTolerantPolicy=[
+            {"restartPolicy": "OnNodeFail", "exceptionalEvent": "PodForceDeleted,PodEvicted"}
+        ]
+    )
+    node = k8s.create_gpu_node().metadata.name
+    k8s.create_pod("a-worker-0", node=node, labels=labels("a", "worker", 0))
+    k8s.create_pod("a-worker-1", node=node, labels=labels("a", "worker", 1))
+    k8s.force_delete_pod("a-worker-0")
+    new = wait_pod(k8s, "a-worker-0-r1")
+    assert new.spec.affinity is None  # the pod was deleted, its node did not fail
+    eviction = client.V1Eviction(
+        metadata=client.V1ObjectMeta(name="a-worker-1", namespace=k8s.namespace)
+    )
+    k8s.core.create_namespaced_pod_eviction("a-worker-1", k8s.namespace, eviction)
+    wait_pod(k8s, "a-worker-1-r1")
+    job = wait_action(objects, k8s.namespace, "train", 2)
+    assert [a["fault"] for a in job["lastActions"]] == ["PodForceDeleted", "PodEvicted"]
+
+
+def test_a_policy_the_parser_refuses_gets_a_condition_and_restarts_nothing(
+    k8s: KwokCluster, make_policy: MakePolicy, objects: client.CustomObjectsApi
+) -> None:
+    # The CRD's pattern admits a backwards range; the parser does not.
+    make_policy(faultTolerantPolicy=[{"restartPolicy": "ExitCode", "exitCodes": "140-129"}])
+    body = wait_for(
+        "condition SpecValid",
+        lambda: objects.get_namespaced_custom_object(
+            GROUP, VERSION, k8s.namespace, PLURAL, "train"
+        ),
+        lambda body: bool((body.get("status") or {}).get("conditions")),
+        timeout=10,
+    )
+    (condition,) = body["status"]["conditions"]
+    assert (condition["type"], condition["status"], condition["reason"]) == (
+        "SpecValid",
+        "False",
+        "InvalidSpec",
+    )
+    assert "spec.faultTolerantPolicy[0].exitCodes" in condition["message"]
+    node = k8s.create_gpu_node().metadata.name
+    k8s.create_pod("b-worker-0", node=node, labels=labels("b", "worker", 0))
+    exit_pod(k8s, "b-worker-0", 137)
+    time.sleep(2)
+    assert pod_or_none(k8s, "b-worker-0-r1") is None

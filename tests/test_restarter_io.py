@@ -1,0 +1,211 @@
+"""The restarter's pure I/O helpers: faults read off pod objects, the replacement pod, the CLI."""
+
+from __future__ import annotations
+
+import argparse
+from datetime import UTC, datetime
+from typing import Any
+
+from edl_agent.faults.model import FaultKind, PodRef
+from edl_agent.restarter import cli
+from edl_agent.restarter.actuator import (
+    BASE_NAME_ANNOTATION,
+    RESTART_COUNT_ANNOTATION,
+    RESTART_COUNT_ENV,
+    replacement_pod,
+)
+from edl_agent.restarter.watchers import (
+    DELETED_BY_ANNOTATION,
+    RESTARTER,
+    container_exit_id,
+    eviction_fault,
+    exit_faults,
+    force_delete_fault,
+    not_ready_since,
+)
+
+NOW = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
+
+
+def pod(**status: Any) -> dict[str, Any]:
+    return {
+        "metadata": {
+            "name": "job-worker-3",
+            "namespace": "ns",
+            "uid": "u1",
+            "resourceVersion": "42",
+            "labels": {"job": "job"},
+            "annotations": {"keep": "me"},
+            "ownerReferences": [],
+        },
+        "spec": {
+            "nodeName": "n1",
+            "containers": [
+                {"name": "trainer", "env": [{"name": "A", "value": "1"}]},
+                {"name": "sidecar"},
+            ],
+            "ephemeralContainers": [{"name": "debug"}],
+        },
+        "status": {"phase": "Running", **status},
+    }
+
+
+def test_a_non_zero_termination_is_a_container_exit_with_a_stable_id() -> None:
+    statuses = [
+        {
+            "name": "trainer",
+            "restartCount": 2,
+            "state": {
+                "terminated": {
+                    "exitCode": 137,
+                    "reason": "OOMKilled",
+                    "finishedAt": "2026-05-01T11:59:58Z",
+                }
+            },
+            "lastState": {"terminated": {"exitCode": 1}},
+        },
+        {"name": "sidecar", "restartCount": 0, "state": {"terminated": {"exitCode": 0}}},
+    ]
+    faults = exit_faults(pod(containerStatuses=statuses), NOW)
+    assert [(f.id, f.exit_code, f.container) for f in faults] == [
+        (container_exit_id("u1", "trainer", 2), 137, "trainer"),
+        (container_exit_id("u1", "trainer", 1), 1, "trainer"),
+    ]
+    listed = exit_faults(pod(containerStatuses=statuses), NOW, last=False)
+    assert [f.id for f in listed] == [container_exit_id("u1", "trainer", 2)]
+    first = faults[0]
+    assert first.kind is FaultKind.CONTAINER_EXIT
+    assert first.pods == (PodRef("ns", "job-worker-3", "u1"),)
+    assert first.observed_at == datetime(2026, 5, 1, 11, 59, 58, tzinfo=UTC)
+    assert (first.node, first.reason, first.source) == ("n1", "OOMKilled", "restarter")
+    assert faults[1].observed_at == NOW  # no finishedAt: when it was seen
+
+
+def test_force_deletion_eviction_and_node_readiness() -> None:
+    deleted = pod()
+    deleted["metadata"]["deletionGracePeriodSeconds"] = 0
+    forced = force_delete_fault(deleted, NOW)
+    assert forced is not None
+    assert (forced.kind, forced.id) == (FaultKind.POD_FORCE_DELETED, "forcedelete/u1")
+    graceful = pod()
+    graceful["metadata"]["deletionGracePeriodSeconds"] = 30
+    assert force_delete_fault(graceful, NOW) is None
+    deleted["status"]["phase"] = "Failed"  # it had terminated already
+    assert force_delete_fault(deleted, NOW) is None
+
+    assert eviction_fault(pod(), NOW) is None
+    evicted = eviction_fault(pod(reason="Evicted", message="low on memory"), NOW)
+    assert evicted is not None
+    assert (evicted.kind, evicted.id, evicted.detail) == (
+        FaultKind.POD_EVICTED,
+        "evicted/u1",
+        "low on memory",
+    )
+    disrupted = pod(
+        conditions=[
+            {"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler"}
+        ]
+    )
+    fault = eviction_fault(disrupted, NOW)
+    assert fault is not None
+    assert fault.reason == "PreemptionByScheduler"
+
+    def node(status: str) -> dict[str, Any]:
+        condition = {
+            "type": "Ready",
+            "status": status,
+            "lastTransitionTime": "2026-05-01T11:00:00Z",
+        }
+        return {"status": {"conditions": [condition]}}
+
+    assert not_ready_since(node("True")) is None
+    assert not_ready_since(node("Unknown")) == datetime(2026, 5, 1, 11, tzinfo=UTC)
+
+
+def test_the_replacement_keeps_the_pod_and_drops_its_binding() -> None:
+    old = pod()
+    old["metadata"]["annotations"][DELETED_BY_ANNOTATION] = RESTARTER
+    new = replacement_pod(old, avoid_node=None)
+    meta = new["metadata"]
+    assert meta["name"] == "job-worker-3-r1"
+    assert meta["labels"] == {"job": "job"}
+    assert meta["annotations"] == {
+        "keep": "me",
+        RESTART_COUNT_ANNOTATION: "1",
+        BASE_NAME_ANNOTATION: "job-worker-3",
+        "edl.io/replaces": "job-worker-3",
+    }
+    assert set(meta) == {"name", "labels", "annotations"}
+    assert "nodeName" not in new["spec"]
+    assert "ephemeralContainers" not in new["spec"]
+    assert "status" not in new
+    assert new["spec"]["containers"][0]["env"] == [
+        {"name": "A", "value": "1"},
+        {"name": RESTART_COUNT_ENV, "value": "1"},
+    ]
+    assert new["spec"]["containers"][1]["env"] == [{"name": RESTART_COUNT_ENV, "value": "1"}]
+    assert "affinity" not in new["spec"]
+    assert old["spec"]["nodeName"] == "n1"  # the input is not changed
+
+    again = replacement_pod(
+        {**new, "metadata": {**meta, "name": "job-worker-3-r1"}}, avoid_node="n2"
+    )
+    assert again["metadata"]["name"] == "job-worker-3-r2"
+    assert again["spec"]["containers"][0]["env"][-1] == {"name": RESTART_COUNT_ENV, "value": "2"}
+    terms = again["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]["nodeSelectorTerms"]
+    assert terms == [
+        {"matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": ["n2"]}]}
+    ]
+    third = replacement_pod(again, avoid_node="n3")
+    (term,) = third["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]["nodeSelectorTerms"]
+    assert term["matchFields"][0]["values"] == ["n2", "n3"]
+
+
+def test_the_anti_affinity_is_added_to_every_existing_term() -> None:
+    old = pod()
+    terms = [
+        {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]},
+        {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["b"]}]},
+    ]
+    old["spec"]["affinity"] = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": terms}
+        }
+    }
+    new = replacement_pod(old, avoid_node="n1")
+    got = new["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
+    assert [t["matchExpressions"][0]["values"] for t in got] == [["a"], ["b"]]
+    assert all(
+        t["matchFields"] == [{"key": "metadata.name", "operator": "NotIn", "values": ["n1"]}]
+        for t in got
+    )
+
+
+def test_the_restarter_command_line() -> None:
+    parser = argparse.ArgumentParser()
+    cli.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["restarter"])
+    assert (args.listen, args.kubeconfig, args.namespaces) == (":8443", "", [])
+    assert (args.agent_service_account, args.audience) == ("edl-system/edl-agent", "edl-restarter")
+    assert args.node_grace_seconds == 40.0
+    assert args.handler is cli.run
+    args = parser.parse_args(
+        [
+            "restarter",
+            "--listen",
+            "",
+            "--namespace",
+            "a",
+            "--namespace",
+            "b",
+            "--node-grace-seconds",
+            "5",
+        ]
+    )
+    assert (args.listen, args.namespaces, args.node_grace_seconds) == ("", ["a", "b"], 5.0)
