@@ -19,18 +19,16 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-import structlog
-
 from edl_agent.faults.ids import container_exit_id
 from edl_agent.faults.model import Fault, FaultKind, PodRef
 from edl_agent.faults.sender import backoff_delay
-from edl_agent.kube import GONE, ApiError, Closable, KubeApi
+from edl_agent.kube import KubeApi
+from edl_agent.kube_watch import WatchLoop
 
 REMEMBERED = 10_000
 MAX_DETAIL = 512
@@ -92,8 +90,11 @@ def container_exits(
     return faults
 
 
-class PodExitWatcher:
+class PodExitWatcher(WatchLoop):
     """Watches the pods on `node` and hands every new non-zero container exit to `on_fault`."""
+
+    name = "pod-exit-watch"
+    restart_after_crash = True
 
     def __init__(
         self,
@@ -105,76 +106,20 @@ class PodExitWatcher:
         retry_seconds: float = 1.0,
         retry_max_seconds: float = 60.0,
     ) -> None:
+        super().__init__(log_context={"node": node})
         self.api = api
         self.node = node
         self.on_fault = on_fault
         self.timeout_seconds = timeout_seconds
         self.retry_seconds = retry_seconds
         self.retry_max_seconds = retry_max_seconds
-        self.failures = 0
-        self.relists = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._response: Closable | None = None
         self._listed = threading.Event()
         self._reported: OrderedDict[str, None] = OrderedDict()
         self._selector = f"spec.nodeName={node}"
-        self._log = structlog.get_logger().bind(part="pod-exit-watch", node=node)
-
-    def start(self) -> None:
-        if self._thread is not None:
-            msg = "PodExitWatcher already started"
-            raise RuntimeError(msg)
-        self._thread = threading.Thread(target=self._run, name="pod-exit-watch", daemon=True)
-        self._thread.start()
 
     def wait_listed(self, timeout: float) -> bool:
         """True once the node's pods have been listed at least once."""
         return self._listed.wait(timeout)
-
-    def stop(self, timeout: float = 2.0) -> None:
-        self._stop.set()
-        response = self._response
-        if response is not None:
-            _shutdown(response)
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                self._log.warning("pod watcher did not stop in time", timeout=timeout)
-
-    def _opened(self, response: Closable) -> None:
-        self._response = response
-        if self._stop.is_set():
-            _shutdown(response)
-
-    def _run(self) -> None:
-        version: str | None = None
-        failures_in_row = 0
-        while not self._stop.is_set():
-            started = time.monotonic()
-            try:
-                if version is None:
-                    version = self._list()
-                version = self._watch(version)
-                failures_in_row = 0
-                if time.monotonic() - started < 1.0:
-                    self._stop.wait(1.0)  # a server or proxy ending watches at once: no spinning
-            except ApiError as exc:
-                if self._stop.is_set():
-                    return
-                if exc.status == GONE:
-                    self.relists += 1
-                    version = None  # too old: list again
-                    continue
-                failures_in_row += 1
-                self._failed(str(exc), failures_in_row)
-            except Exception as exc:  # a bug must not end the watching: retry like a failure
-                if self._stop.is_set():
-                    return
-                self._log.exception("pod watcher crashed")
-                failures_in_row += 1
-                version = None
-                self._failed(f"{type(exc).__name__}: {exc}", failures_in_row)
 
     def _list(self) -> str | None:
         listing = self.api.list_pods(self._selector)
@@ -206,21 +151,10 @@ class PodExitWatcher:
             while len(self._reported) > REMEMBERED:
                 self._reported.popitem(last=False)
 
-    def _failed(self, error: str, in_row: int) -> None:
-        self.failures += 1
-        self._log.warning("pod watch failed; retrying", error=error, failures=self.failures)
-        self._stop.wait(
-            backoff_delay(
-                in_row,
-                initial=self.retry_seconds,
-                maximum=self.retry_max_seconds,
-                jitter=random.random(),  # noqa: S311 - spreading retries, not secrets
-            )
+    def _retry_delay(self, failures_in_row: int) -> float:
+        return backoff_delay(
+            failures_in_row,
+            initial=self.retry_seconds,
+            maximum=self.retry_max_seconds,
+            jitter=random.random(),  # noqa: S311 - spreading retries, not secrets
         )
-
-
-def _shutdown(response: Closable) -> None:
-    """Unblock the read the watch thread waits in (urllib3 >= 2.3; else close the response)."""
-    shutdown = getattr(response, "shutdown", None) or getattr(response, "close", None)
-    if shutdown is not None:
-        shutdown()

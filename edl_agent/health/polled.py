@@ -103,13 +103,7 @@ def poll_kunlunxin(
         if record is None:
             result.missing(device, "XPU_NOT_REPORTED", f"{kunlunxin.TOOL} does not list it")
             continue
-        findings = []
-        if record.state is not None:
-            level = classify_device_state(record.state)
-            if level is not None:
-                findings.append(
-                    _Finding(level, f"XPU_STATE_{_safe(record.state)}", f"state {record.state}")
-                )
+        findings = _state_findings("XPU", record.state)
         if record.ecc_uncorrected:
             detail = f"{record.ecc_uncorrected} uncorrectable DRAM ECC errors since driver load"
             findings.append(_Finding(classify_ecc_dbe(), "XPU_ECC_DBE", detail))
@@ -156,13 +150,7 @@ def poll_hygon(
         if status is None:
             result.missing(device, "DCU_NOT_REPORTED", f"{hygon.TOOL} does not list it")
             continue
-        findings = []
-        if status.state is not None:
-            level = classify_device_state(status.state)
-            if level is not None:
-                findings.append(
-                    _Finding(level, f"DCU_STATE_{_safe(status.state)}", f"state {status.state}")
-                )
+        findings = _state_findings("DCU", status.state)
         result.device(device, findings)
         result.telemetry.append(
             DeviceTelemetry(
@@ -340,6 +328,14 @@ def _failed(vendor: Vendor, reason: str, detail: str, at: float) -> PollResult:
         vendor=vendor, device_id=None, reason=reason, level=Level.WARN, at=at, detail=detail
     )
     return PollResult(vendor=vendor, at=at, ok=False, events=[event])
+
+
+def _state_findings(kind: str, state: str | None) -> list[_Finding]:
+    """The finding for an XPU/DCU `State` the tool reports, if it is not a healthy one."""
+    level = classify_device_state(state) if state is not None else None
+    if state is None or level is None:
+        return []
+    return [_Finding(level, f"{kind}_STATE_{_safe(state)}", f"state {state}")]
 
 
 def _of(devices: Sequence[Device], vendor: Vendor) -> list[Device]:

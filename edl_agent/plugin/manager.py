@@ -73,9 +73,6 @@ class PluginManager:
     def resources(self) -> list[str]:
         return sorted(self._plugins)
 
-    def registered(self) -> bool:
-        return all(p.registration.done for p in self._plugins.values())
-
     def sync(self) -> None:
         """Converge servers and registrations on the current inventory and kubelet."""
         self.directory.mkdir(parents=True, exist_ok=True)
