@@ -213,16 +213,20 @@ class KubeApi:
             response.release_conn()
 
     def _call(self, method: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        try:
-            response = method(
-                *args, _preload_content=False, _request_timeout=REQUEST_TIMEOUT, **kwargs
-            )
-        except ApiException as exc:
-            raise ApiError(exc.status, _message(exc)) from None
-        except (OSError, urllib3.exceptions.HTTPError) as exc:  # refused, TLS, timeouts
-            raise ApiError(None, f"{type(exc).__name__}: {exc}") from None
-        data: dict[str, Any] = json.loads(response.data)
-        return data
+        return call_json(method, *args, **kwargs)
+
+
+def call_json(method: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """Call a kubernetes client method and return the decoded JSON body; `ApiError` on any
+    failure (an HTTP error status, or none: refused, TLS, timeouts)."""
+    try:
+        response = method(*args, _preload_content=False, _request_timeout=REQUEST_TIMEOUT, **kwargs)
+    except ApiException as exc:
+        raise ApiError(exc.status, _message(exc)) from None
+    except (OSError, urllib3.exceptions.HTTPError) as exc:
+        raise ApiError(None, f"{type(exc).__name__}: {exc}") from None
+    data: dict[str, Any] = json.loads(response.data)
+    return data
 
 
 def _message(exc: ApiException) -> str:

@@ -1,10 +1,10 @@
-"""Provide pinned etcd, kube-apiserver and kwok binaries for the test control plane.
+"""Provide pinned etcd, kube-apiserver, kube-scheduler, kubectl and kwok binaries for tests.
 
 Resolution order for every binary:
 
 1. the bin dir (``$EDL_K8S_BIN_DIR``, default ``<repo>/.cache/k8s/<kubernetes version>/``)
    when the binary there carries a version stamp that matches the pin below;
-2. ``$KUBEBUILDER_ASSETS/<name>`` (etcd and kube-apiserver only; envtest bundles lack kwok);
+2. ``$KUBEBUILDER_ASSETS/<name>`` (etcd, kube-apiserver and kubectl: what envtest bundles hold);
 3. otherwise ``ensure()`` builds it into the bin dir from the Go module proxy, in scratch
    modules under ``<bin dir>/.build/`` (go.mod, go.sum and build.log stay there for
    inspection). Go's own caches (GOMODCACHE, GOCACHE) are used as configured, so a rebuild
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import functools
 import json
 import os
 import shutil
@@ -28,19 +29,25 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 K8S_VERSION = "v1.32.13"
-# Kubernetes publishes its staging repositories (k8s.io/api, k8s.io/apiserver, ...) as v0.X.Y
-# for kubernetes v1.X.Y.
-STAGING_VERSION = "v0" + K8S_VERSION[2:]
 # The etcd release that kubernetes v1.32 ships with (kubeadm's etcd image 3.5.16-0).
 ETCD_VERSION = "v3.5.16"
 KWOK_VERSION = "v0.8.0"
 
-BINARIES = ("etcd", "kube-apiserver", "kwok")
-PINS = {"etcd": ETCD_VERSION, "kube-apiserver": K8S_VERSION, "kwok": KWOK_VERSION}
+# kube-scheduler binds the pods of end-to-end tests; kubectl applies deploy/daemonset (-k).
+KUBERNETES_COMMANDS = ("kube-apiserver", "kube-scheduler", "kubectl")
+BINARIES = ("etcd", *KUBERNETES_COMMANDS, "kwok")
+PINS = {"etcd": ETCD_VERSION, "kwok": KWOK_VERSION} | dict.fromkeys(
+    KUBERNETES_COMMANDS, K8S_VERSION
+)
+# Kubernetes publishes its staging modules (k8s.io/api, ...) as v0.X.Y for kubernetes v1.X.Y.
+# k8s.io/kube-scheduler and k8s.io/csi-translation-lib v0.32.13 are not on the module proxy
+# (403 "not available"), and later patch releases miss a module or its checksum there; v1.32.5
+# has them all. A scheduler some patch releases behind the API server is within the supported skew.
+PINS["kube-scheduler"] = "v1.32.5"
 
 # Stages copied out of the kwok module (never committed): path under kustomize/stage/.
 KWOK_STAGES = (
@@ -92,7 +99,7 @@ def _cached(directory: Path, name: str) -> Path | None:
 
 def _from_kubebuilder_assets(name: str) -> Path | None:
     assets = os.environ.get("KUBEBUILDER_ASSETS")
-    if not assets or name == "kwok":
+    if not assets or name not in ("etcd", "kube-apiserver", "kubectl"):
         return None
     path = Path(assets) / name
     if path.is_file() and os.access(path, os.X_OK):
@@ -201,9 +208,9 @@ def _proxy() -> str:
     return GO_PROXY_DEFAULT
 
 
-def _staging_replaces() -> list[str]:
+def _staging_replaces(version: str) -> list[str]:
     """k8s.io/<staging> modules that kubernetes' go.mod requires at v0.0.0."""
-    text = _fetch_text(f"{_proxy()}/k8s.io/kubernetes/@v/{K8S_VERSION}.mod")
+    text = _fetch_text(f"{_proxy()}/k8s.io/kubernetes/@v/{version}.mod")
     modules = []
     for raw in text.splitlines():
         fields = raw.split()
@@ -211,7 +218,7 @@ def _staging_replaces() -> list[str]:
             modules.append(fields[0])
     if not modules:
         raise BinariesError(
-            f"found no k8s.io/* v0.0.0 requirements in k8s.io/kubernetes@{K8S_VERSION}'s go.mod"
+            f"found no k8s.io/* v0.0.0 requirements in k8s.io/kubernetes@{version}'s go.mod"
         )
     return sorted(set(modules))
 
@@ -230,50 +237,66 @@ def _install(built: Path, name: str) -> Path:
     return target
 
 
-def build_kube_apiserver() -> Path:
+def build_kubernetes_command(name: str) -> Path:
+    """Build k8s.io/kubernetes/cmd/<name> (kube-apiserver, kube-scheduler, kubectl)."""
     go = _go()
-    work = _scratch("kube-apiserver", K8S_VERSION)
+    version = PINS[name]
+    staging = "v0" + version[2:]
+    work = _scratch(name, version)
     logfile = work / "build.log"
     logfile.write_text("")
     lines = [
-        "module edl.local/build/kube-apiserver",
+        f"module edl.local/build/{name}",
         "",
         "go 1.23.0",
         "",
-        f"require k8s.io/kubernetes {K8S_VERSION}",
+        f"require k8s.io/kubernetes {version}",
         "",
     ]
-    lines += [f"replace {mod} => {mod} {STAGING_VERSION}" for mod in _staging_replaces()]
+    lines += [f"replace {mod} => {mod} {staging}" for mod in _staging_replaces(version)]
     (work / "go.mod").write_text("\n".join(lines) + "\n")
     (work / "doc.go").write_text("package build\n")
-    what = f"kube-apiserver {K8S_VERSION}"
-    pkg = "k8s.io/kubernetes/cmd/kube-apiserver"
-    version_pkg = "k8s.io/component-base/version"
-    major, minor = K8S_VERSION[1:].split(".")[:2]
+    what = f"{name} {version}"
+    pkg = f"k8s.io/kubernetes/cmd/{name}"
+    major, minor = version[1:].split(".")[:2]
+    stamps = {
+        "gitVersion": version,
+        "gitMajor": major,
+        "gitMinor": minor,
+        "gitTreeState": "clean",
+        "buildDate": "1970-01-01T00:00:00Z",
+    }
+    # kubectl reports its version from client-go's copy of the version package.
+    version_pkgs = ["k8s.io/component-base/version", "k8s.io/client-go/pkg/version"]
     ldflags = " ".join(
-        [
-            "-s -w",
-            f"-X {version_pkg}.gitVersion={K8S_VERSION}",
-            f"-X {version_pkg}.gitMajor={major}",
-            f"-X {version_pkg}.gitMinor={minor}",
-            f"-X {version_pkg}.gitTreeState=clean",
-            f"-X {version_pkg}.buildDate=1970-01-01T00:00:00Z",
-        ]
+        ["-s -w"]
+        + [f"-X {pkg_}.{key}={value}" for pkg_ in version_pkgs for key, value in stamps.items()]
     )
-    out = ["kube-apiserver", pkg]
     log(
         f"building {what} from the Go module proxy "
-        f"(about 4-5 min on 2 cores with cold Go caches; log {logfile})"
+        f"(kube-apiserver about 4-5 min on 2 cores with cold Go caches, the others less once "
+        f"it is built; log {logfile})"
     )
     with _heartbeat(what):
-        _run_logged([go, "get", f"{pkg}@{K8S_VERSION}"], cwd=work, logfile=logfile, what=what)
+        _run_logged([go, "get", f"{pkg}@{version}"], cwd=work, logfile=logfile, what=what)
         _run_logged(
-            [go, "build", "-trimpath", "-tags", "selinux,notest", "-ldflags", ldflags, "-o", *out],
+            [
+                go,
+                "build",
+                "-trimpath",
+                "-tags",
+                "selinux,notest",
+                "-ldflags",
+                ldflags,
+                "-o",
+                name,
+                pkg,
+            ],
             cwd=work,
             logfile=logfile,
             what=what,
         )
-    return _install(work / "kube-apiserver", "kube-apiserver")
+    return _install(work / name, name)
 
 
 def build_etcd() -> Path:
@@ -366,7 +389,10 @@ def copy_kwok_stages() -> Path:
     return target
 
 
-BUILDERS = {"etcd": build_etcd, "kube-apiserver": build_kube_apiserver, "kwok": build_kwok}
+BUILDERS: dict[str, Callable[[], Path]] = {
+    "etcd": build_etcd,
+    "kwok": build_kwok,
+} | {name: functools.partial(build_kubernetes_command, name) for name in KUBERNETES_COMMANDS}
 
 
 @contextlib.contextmanager
@@ -410,11 +436,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="scripts/k8s-binaries",
         description=(
-            f"Provide etcd {ETCD_VERSION}, kube-apiserver {K8S_VERSION} and kwok {KWOK_VERSION} "
-            f"(plus kwok's stage files) for the test control plane in {bin_dir()} "
-            "(override with EDL_K8S_BIN_DIR; etcd and kube-apiserver are also taken from "
-            "$KUBEBUILDER_ASSETS). Missing ones are built from the Go module proxy; the first "
-            "build of all three takes about 8 minutes on 2 cores."
+            f"Provide etcd {ETCD_VERSION}, kube-apiserver, kube-scheduler and kubectl "
+            f"{K8S_VERSION} and kwok {KWOK_VERSION} (plus kwok's stage files) for the test "
+            f"control plane in {bin_dir()} (override with EDL_K8S_BIN_DIR; etcd, kube-apiserver "
+            "and kubectl are also taken from $KUBEBUILDER_ASSETS). Missing ones are built from "
+            "the Go module proxy; the first build of all takes about 10 minutes on 2 cores."
         ),
     )
     mode = parser.add_mutually_exclusive_group()

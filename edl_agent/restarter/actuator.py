@@ -3,30 +3,28 @@
 Order matters (see `decide`): the controller persists a decision's record through `write_status`
 (a PUT of the status subresource carrying the resourceVersion it read, so a concurrent writer
 makes it fail with `Conflict` and the caller re-reads and decides again) and only then calls
-`replace`. A bare pod is deleted (grace 0 when its node is gone) and created again under a new
-name, `<base>-r<count>`: the same labels, annotations and spec without the node binding, the
-restart count in annotation `edl.io/restart-count` and env `EDL_RESTART_COUNT` of every
-container, and for node and device faults a required node affinity away from the failed node.
-The name depends only on the count, so a retried replacement finds its pod already there
-(AlreadyExists) instead of making a second. A pod a controller owns (a Job, a StatefulSet) is
-only deleted: its controller makes the replacement.
+`replace`. A bare pod is created again under a new name, `<base>-r<count>`, and then deleted
+(grace 0 when its node is gone). The replacement has the same labels, annotations and spec
+without the node binding, the restart count in annotation `edl.io/restart-count` and env
+`EDL_RESTART_COUNT` of every container, and for node and device faults a required node
+affinity away from the failed node. The name depends only on the count, so a retried
+replacement finds its pod already there (AlreadyExists) instead of making a second. A pod a
+controller owns (a Job, a StatefulSet) is only deleted: its controller makes the replacement.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import structlog
-import urllib3
 from kubernetes import client
-from kubernetes.client.exceptions import ApiException
 
 from edl_agent.faults.model import FaultKind
-from edl_agent.kube import CONFLICT, NOT_FOUND, REQUEST_TIMEOUT, ApiError
+from edl_agent.kube import CONFLICT, NOT_FOUND, ApiError
+from edl_agent.kube import call_json as _call
 from edl_agent.restarter.watchers import DELETED_BY_ANNOTATION, RESTARTER
 
 log = structlog.get_logger(__name__)
@@ -119,12 +117,15 @@ class Actuator:
     def replace(
         self, pod: Mapping[str, Any], *, fault_kind: FaultKind, failed_node: str, force: bool
     ) -> Replacement:
-        """Delete `pod` and, unless a controller owns it, create its replacement."""
+        """Create the replacement of `pod` (unless a controller owns it), then delete `pod`.
+
+        Creating first means that whenever this stops half way, `pod` is still there to be
+        replaced again, and doing so finds the replacement made already."""
         meta = pod["metadata"]
         namespace, name = meta["namespace"], meta["name"]
         owned = any(ref.get("controller") for ref in meta.get("ownerReferences") or [])
-        self._delete(pod, force=force)
         if owned:
+            self._delete(pod, force=force)
             log.info("deleted a controller-owned pod", pod=f"{namespace}/{name}", force=force)
             return Replacement(name, None, force)
         avoid = failed_node if fault_kind in NODE_FAULTS and failed_node else None
@@ -136,6 +137,7 @@ class Actuator:
             if exc.status != ALREADY_EXISTS:
                 raise
             log.info("replacement exists already", pod=f"{namespace}/{new_name}")
+        self._delete(pod, force=force)
         log.info(
             "pod replaced", old=f"{namespace}/{name}", new=f"{namespace}/{new_name}", force=force
         )
@@ -218,21 +220,3 @@ def _int(text: str | None) -> int:
         return max(0, int(text or 0))
     except ValueError:
         return 0
-
-
-def _call(method: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-    try:
-        response = method(*args, _preload_content=False, _request_timeout=REQUEST_TIMEOUT, **kwargs)
-    except ApiException as exc:
-        raise ApiError(exc.status, _message(exc)) from None
-    except (OSError, urllib3.exceptions.HTTPError) as exc:
-        raise ApiError(None, f"{type(exc).__name__}: {exc}") from None
-    data: dict[str, Any] = json.loads(response.data)
-    return data
-
-
-def _message(exc: ApiException) -> str:
-    try:
-        return str(json.loads(exc.body or "")["message"])
-    except (ValueError, KeyError, TypeError):
-        return str(exc.reason or exc)

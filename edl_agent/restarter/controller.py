@@ -6,14 +6,22 @@ a list+watch of FaultTolerancePolicy objects; a malformed one gets condition Spe
 its status and covers nothing), then read the policy, `decide`, persist the decision's status
 with the read resourceVersion (on a conflict read and decide again), and only then act: Restart
 replaces the pods of its scope, Backoff decides again at `until`, the others are only recorded.
-Each decision is logged with its reason. A fault id is handled once (an agent's report and the
-watcher's observation of the same exit carry the same id).
+Each decision is logged with its reason, counted in the metrics, and a Restart or a reached
+limit is an Event on the policy. A fault id is handled once (an agent's report and the watcher's
+observation of the same exit carry the same id).
+
+A Restart is written to the status together with the pods it is about to replace
+(`pendingRestarts`) and removed from there once they are replaced; the worker's first job after
+a start is to finish what is pending, so a restarter killed mid-replacement neither loses the
+replacement nor makes a second one (replacement names are deterministic) nor counts it twice.
+Node-failure faults wait while the storm guard says too many nodes are failing at once.
 """
 
 from __future__ import annotations
 
 import functools
 import queue
+import socket
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
@@ -28,9 +36,19 @@ from edl_agent.faults.model import Fault, FaultKind, PodRef
 from edl_agent.kube import ApiError
 from edl_agent.restarter.actuator import GROUP, PLURAL, VERSION, Actuator, Conflict
 from edl_agent.restarter.decide import Action, Decision, decide
+from edl_agent.restarter.events import EventWriter, reference
+from edl_agent.restarter.metrics import RestarterMetrics
 from edl_agent.restarter.policy import Policy, RestartScope
 from edl_agent.restarter.spec import parse_policy
-from edl_agent.restarter.status import format_time, read_job, record_decision
+from edl_agent.restarter.status import (
+    PendingRestart,
+    finish_restart,
+    format_time,
+    pending_restarts,
+    read_job,
+    record_decision,
+)
+from edl_agent.restarter.storm import StormGuard
 from edl_agent.restarter.watchers import ClusterWatcher, ListWatch, deleted_by_us, pod_ref
 from edl_agent.typed import SchemaError
 
@@ -39,6 +57,7 @@ log = structlog.get_logger(__name__)
 SPEC_VALID = "SpecValid"
 DECIDE_ATTEMPTS = 5
 KEEP_IDS = 100_000
+SYNC_TIMEOUT = 300.0
 
 
 @dataclass(frozen=True)
@@ -54,15 +73,28 @@ class Controller:
         *,
         namespaces: Iterable[str] = (),
         node_grace: float = 40.0,
+        storm: StormGuard | None = None,
+        metrics: RestarterMetrics | None = None,
+        events: EventWriter | None = None,
+        storm_object: Mapping[str, str] | None = None,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
+        """`storm_object`: the object (see `events.reference`) storm Events are about."""
         self._clock = clock
         self._namespaces = list(namespaces)
+        self._storm = storm or StormGuard()
+        self.metrics = metrics or RestarterMetrics()
+        self._events = events or EventWriter(api, instance=socket.gethostname())
+        self._storm_object = storm_object
+        self._held: dict[str, Fault] = {}
+        self._storming = False
+        self.recovered = threading.Event()
         self.watcher = ClusterWatcher(
             api, on_fault=self.submit, namespaces=self._namespaces, node_grace=node_grace
         )
         self.actuator = Actuator(api, before_delete=self.watcher.ignore_uid)
         self._queue: queue.Queue[_Item] = queue.Queue()
+        self.metrics.queue_depth.set_function(self._queue.qsize)
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._policies: dict[tuple[str, str], Policy | None] = {}
@@ -91,6 +123,7 @@ class Controller:
     # --- lifecycle -----------------------------------------------------------------------
 
     def start(self) -> None:
+        self._events.start()
         for watch in self._policy_watches:
             watch.start()
         self.watcher.start()
@@ -111,6 +144,7 @@ class Controller:
         for watch in self._policy_watches:
             watch.stop()
         self._worker.join(timeout=10)
+        self._events.stop()
 
     def knows_policy(self, namespace: str, name: str) -> bool:
         """Whether the policy watch has seen this policy (valid or not)."""
@@ -191,10 +225,18 @@ class Controller:
     # --- the worker ----------------------------------------------------------------------
 
     def _work(self) -> None:
+        if not self.wait_synced(SYNC_TIMEOUT):
+            log.warning("the watches are not synced yet; deciding anyway")
+        try:
+            self._recover()
+        except Exception:
+            log.exception("finishing pending restarts failed")
+        self.recovered.set()
         while not self._stopping.is_set():
             try:
                 item = self._queue.get(timeout=0.2)
             except queue.Empty:
+                self._check_storm()
                 continue
             if not item.retry:
                 with self._lock:
@@ -204,10 +246,129 @@ class Controller:
                     self._seen[item.fault.id] = None
                     while len(self._seen) > KEEP_IDS:
                         self._seen.popitem(last=False)
+            if item.fault.kind is FaultKind.NODE_NOT_READY and self._hold_in_storm(item.fault):
+                continue
             try:
                 self._handle(item.fault)
             except Exception:
                 log.exception("handling a fault failed", fault_id=item.fault.id)
+
+    # --- the storm guard -----------------------------------------------------------------
+
+    def _hold_in_storm(self, fault: Fault) -> bool:
+        """Hold a node-failure fault while too many nodes fail at once."""
+        self._check_storm()
+        if not self._storming:
+            return False
+        self._held[fault.id] = fault
+        self.metrics.held_faults.set(len(self._held))
+        log.info("node fault held by the storm guard", fault_id=fault.id, node=fault.node)
+        return True
+
+    def _check_storm(self) -> None:
+        failing, total = self.watcher.node_counts()
+        self.metrics.nodes_not_ready.set(failing)
+        storming = self._storm.storming(failing, total)
+        if storming == self._storming:
+            return
+        self._storming = storming
+        self.metrics.storm_paused.set(1 if storming else 0)
+        what = self._storm.describe(failing, total)
+        if storming:
+            log.warning("storm guard: node-failure restarts paused", nodes=what)
+            self._event("Warning", "RestartStormPaused", f"node-failure restarts paused: {what}")
+            return
+        held = list(self._held.values())
+        self._held.clear()
+        self.metrics.held_faults.set(0)
+        still = [f for f in held if self.watcher.node_not_ready(f.node)]
+        log.warning(
+            "storm guard: node-failure restarts resume",
+            held=len(held),
+            still_failing=len(still),
+            nodes=f"{failing} of {total} NotReady",
+        )
+        self._event(
+            "Normal",
+            "RestartStormOver",
+            f"node-failure restarts resume ({failing} of {total} nodes NotReady); "
+            f"{len(still)} of {len(held)} held faults are on nodes still failing",
+        )
+        for fault in still:
+            self._queue.put(_Item(fault, retry=True))
+
+    def _event(self, kind: str, reason: str, message: str, about: Any = None) -> None:
+        target = about if about is not None else self._storm_object
+        if target is not None:
+            self._events.emit(target, kind, reason, message)
+
+    # --- restarts a previous run left half done ------------------------------------------
+
+    def _recover(self) -> None:
+        with self._lock:
+            keys = sorted(k for k, policy in self._policies.items() if policy is not None)
+        for namespace, name in keys:
+            try:
+                obj = self.actuator.read_policy(namespace, name)
+            except ApiError as exc:
+                log.warning("cannot read a policy to finish its restarts", error=str(exc))
+                continue
+            for pending in pending_restarts(obj):
+                log.info(
+                    "finishing a restart recorded before this start",
+                    policy=f"{namespace}/{name}",
+                    job=pending.job,
+                    fault_id=pending.fault_id,
+                    pods=[p.name for p in pending.pods],
+                )
+                self._replace_all(pending, namespace, name)
+
+    def _replace_all(
+        self, pending: PendingRestart, namespace: str, policy: str, pods: list[Any] | None = None
+    ) -> None:
+        """Replace the pods of a recorded Restart (each at most once: a pod already gone is
+        skipped, a replacement already made is found), then drop it from pendingRestarts."""
+        failed = 0
+        for index, ref in enumerate(pending.pods):
+            pod = pods[index] if pods is not None else None
+            if pod is None:
+                pod = self.actuator.read_pod(ref.namespace, ref.name)
+                if pod is None or (ref.uid and pod_ref(pod).uid != ref.uid):
+                    continue  # replaced already
+            node = str((pod.get("spec") or {}).get("nodeName") or "")
+            force = bool(node) and (
+                self.watcher.node_not_ready(node)
+                or (pending.fault is FaultKind.NODE_NOT_READY and node == pending.node)
+            )
+            try:
+                self.actuator.replace(
+                    pod, fault_kind=pending.fault, failed_node=pending.node, force=force
+                )
+            except ApiError as exc:
+                failed += 1
+                self.metrics.replacement_errors.inc()
+                log.error(
+                    "could not replace a pod; the next start retries",
+                    pod=ref.name,
+                    fault_id=pending.fault_id,
+                    error=str(exc),
+                )
+        if not failed:
+            self._finish(namespace, policy, pending)
+
+    def _finish(self, namespace: str, name: str, pending: PendingRestart) -> None:
+        for _ in range(DECIDE_ATTEMPTS):
+            try:
+                obj = self.actuator.read_policy(namespace, name)
+                self.actuator.write_status(
+                    obj, finish_restart(obj.get("status"), pending.job, [pending.fault_id])
+                )
+                return
+            except Conflict:
+                continue
+            except ApiError as exc:
+                log.warning("could not mark a restart done", policy=name, error=str(exc))
+                return
 
     def _handle(self, fault: Fault) -> None:
         for ref in fault.pods:
@@ -225,6 +386,7 @@ class Controller:
 
     def _decide_and_act(self, fault: Fault, pod: dict[str, Any], ref: PodRef, name: str) -> None:
         labels = (pod.get("metadata") or {}).get("labels") or {}
+        targets: list[dict[str, Any]] = []
         for _ in range(DECIDE_ATTEMPTS):
             obj = self.actuator.read_policy(ref.namespace, name)
             try:
@@ -242,19 +404,20 @@ class Controller:
                 record=read_job(obj.get("status"), identity.job),
                 now=now,
             )
-            log.info(
-                "decision",
-                action=str(decision.action),
-                reason=decision.reason,
-                fault_id=fault.id,
-                pod=f"{ref.namespace}/{ref.name}",
-                policy=name,
-            )
             if decision.action is Action.STALE:
+                self._decided(decision, ref, name)
                 return
+            if decision.action is Action.RESTART:
+                targets = self._targets(decision, pod, policy)
             try:
                 self.actuator.write_status(
-                    obj, record_decision(obj.get("status"), decision, now=now)
+                    obj,
+                    record_decision(
+                        obj.get("status"),
+                        decision,
+                        now=now,
+                        targets=[pod_ref(t) for t in targets],
+                    ),
                 )
             except Conflict:
                 log.info("the policy changed; deciding again", policy=name, fault_id=fault.id)
@@ -263,43 +426,74 @@ class Controller:
         else:
             log.error("could not record a decision; the policy keeps changing", policy=name)
             return
+        self._decided(decision, ref, name, policy=obj)
         if decision.action is Action.RESTART:
-            self._restart(decision, pod, policy)
+            pending = PendingRestart(
+                job=decision.pod.job,
+                fault_id=fault.id,
+                fault=fault.kind,
+                node=fault.node,
+                at=now,
+                pods=tuple(pod_ref(t) for t in targets),
+            )
+            self._replace_all(pending, ref.namespace, name, pods=targets)
+            elapsed = (self._clock() - fault.observed_at).total_seconds()
+            self.metrics.fault_to_replacement.labels(str(fault.kind)).observe(max(0.0, elapsed))
         elif decision.action is Action.BACKOFF and decision.until is not None:
             self._retry_at(fault, decision.until)
 
-    def _restart(self, decision: Decision, pod: dict[str, Any], policy: Policy) -> None:
-        fault, identity = decision.fault, decision.pod
-        targets = [pod]
-        if decision.scope is not RestartScope.POD:
-            selector = f"{policy.selector},{policy.job_label}={identity.job}"
-            if decision.scope is RestartScope.REPLICA and policy.replica_type_label:
-                selector += f",{policy.replica_type_label}={identity.replica_type}"
-            uid = pod_ref(pod).uid
-            targets += [
-                p
-                for p in self.actuator.list_pods(pod_ref(pod).namespace, selector)
-                if pod_ref(p).uid != uid
-                and not deleted_by_us(p)
-                and not (p.get("metadata") or {}).get("deletionTimestamp")
-            ]
-        for target in targets:
-            node = str((target.get("spec") or {}).get("nodeName") or "")
-            force = bool(node) and (
-                self.watcher.node_not_ready(node)
-                or (fault.kind is FaultKind.NODE_NOT_READY and node == fault.node)
+    def _decided(
+        self, decision: Decision, ref: PodRef, name: str, policy: Mapping[str, Any] | None = None
+    ) -> None:
+        """Log, count and (Restart, LimitExceeded) announce a decision."""
+        action, fault = decision.action, decision.fault
+        log.info(
+            "decision",
+            action=str(action),
+            reason=decision.reason,
+            fault_id=fault.id,
+            pod=f"{ref.namespace}/{ref.name}",
+            policy=name,
+        )
+        self.metrics.decisions.labels(str(action), str(fault.kind)).inc()
+        if policy is None:
+            return
+        if action is Action.RESTART:
+            self._event(
+                "Normal",
+                "Restarted",
+                f"{decision.scope} restart of job {decision.pod.job} "
+                f"({ref.namespace}/{ref.name}): {decision.reason}",
+                about=reference(policy),
             )
-            try:
-                self.actuator.replace(
-                    target, fault_kind=fault.kind, failed_node=fault.node, force=force
-                )
-            except ApiError as exc:
-                log.error(
-                    "could not replace a pod",
-                    pod=pod_ref(target).name,
-                    fault_id=fault.id,
-                    error=str(exc),
-                )
+        elif action is Action.LIMIT_EXCEEDED:
+            self._event(
+                "Warning",
+                "RestartLimitExceeded",
+                f"job {decision.pod.job} ({ref.namespace}/{ref.name}): {decision.reason}",
+                about=reference(policy),
+            )
+
+    def _targets(
+        self, decision: Decision, pod: dict[str, Any], policy: Policy
+    ) -> list[dict[str, Any]]:
+        """The pods a Restart replaces: the pod, or every live pod of its replica type or job."""
+        targets = [pod]
+        if decision.scope is RestartScope.POD:
+            return targets
+        identity = decision.pod
+        selector = f"{policy.selector},{policy.job_label}={identity.job}"
+        if decision.scope is RestartScope.REPLICA and policy.replica_type_label:
+            selector += f",{policy.replica_type_label}={identity.replica_type}"
+        uid = pod_ref(pod).uid
+        targets += [
+            p
+            for p in self.actuator.list_pods(pod_ref(pod).namespace, selector)
+            if pod_ref(p).uid != uid
+            and not deleted_by_us(p)
+            and not (p.get("metadata") or {}).get("deletionTimestamp")
+        ]
+        return targets
 
     def _retry_at(self, fault: Fault, until: datetime) -> None:
         delay = max(0.0, (until - self._clock()).total_seconds()) + 0.05

@@ -16,6 +16,10 @@ new one; the caller writes it through the status subresource.
                        scope, until}]   # newest last, at most LAST_ACTIONS
         conditions: [{type: RestartLimitExceeded, status: "True", reason, message,
                       lastTransitionTime}]
+        pendingRestarts: [{faultId, fault, node, time, pods: [{name, uid}]}]
+                                        # written with the Restart decision, removed once its
+                                        # pods are replaced: a restarter that dies in between
+                                        # finishes the replacement when it starts again
 
 Times are RFC 3339 in UTC with microseconds: a stale-fault check compares them with fault
 times, and whole seconds would make a fault look newer than the restart it caused.
@@ -24,10 +28,12 @@ times, and whole seconds would make a fault look newer than the restart it cause
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from edl_agent.faults.model import FaultKind, PodRef
 from edl_agent.restarter.decide import Action, Decision
 from edl_agent.restarter.policy import RestartScope
 from edl_agent.restarter.record import JobRecord, LastRestart, ReplicaCount
@@ -73,10 +79,27 @@ def read_job(status: Mapping[str, Any] | None, job: str) -> JobRecord:
     return JobRecord(replicas, lasts, parse_time(forgotten) if forgotten else None)
 
 
+@dataclass(frozen=True)
+class PendingRestart:
+    """A Restart decided and recorded whose pods may not all be replaced yet."""
+
+    job: str
+    fault_id: str
+    fault: FaultKind
+    node: str
+    at: datetime
+    pods: tuple[PodRef, ...]
+
+
 def record_decision(
-    status: Mapping[str, Any] | None, decision: Decision, *, now: datetime
+    status: Mapping[str, Any] | None,
+    decision: Decision,
+    *,
+    now: datetime,
+    targets: Sequence[PodRef] = (),
 ) -> dict[str, Any]:
-    """The status after `decision` (a Stale one changes nothing)."""
+    """The status after `decision` (a Stale one changes nothing). A Restart's `targets`, the
+    pods it replaces, are kept in pendingRestarts until `finish_restart`."""
     new: dict[str, Any] = copy.deepcopy(dict(status or {}))
     if decision.action is Action.STALE:
         return new
@@ -91,10 +114,63 @@ def record_decision(
         entry["forgottenUntil"] = format_time(decision.record.forgotten_until)
     entry["lastActions"] = _actions(entry.get("lastActions", []), decision, now)
     _set_condition(entry, decision, now)
+    if decision.action is Action.RESTART and targets:
+        entry.setdefault("pendingRestarts", []).append(
+            {
+                "faultId": decision.fault.id,
+                "fault": str(decision.fault.kind),
+                "node": decision.fault.node,
+                "time": format_time(now),
+                "pods": [{"name": t.name, "uid": t.uid} for t in targets],
+            }
+        )
     new["restarts"] = sum(int(j.get("restarts", 0)) for j in jobs)
     times = [j["lastRestartTime"] for j in jobs if j.get("lastRestartTime")]
     if times:
         new["lastRestartTime"] = format_time(max(parse_time(t) for t in times))
+    return new
+
+
+def pending_restarts(obj: Mapping[str, Any]) -> list[PendingRestart]:
+    """The pending restarts in a policy (as the API returned it), oldest first."""
+    namespace = str((obj.get("metadata") or {}).get("namespace", ""))
+    found = []
+    for job in (obj.get("status") or {}).get("jobs") or []:
+        for entry in job.get("pendingRestarts") or []:
+            try:
+                kind = FaultKind(entry.get("fault", ""))
+                at = parse_time(str(entry.get("time", "")))
+            except ValueError:
+                continue
+            found.append(
+                PendingRestart(
+                    job=str(job.get("name", "")),
+                    fault_id=str(entry.get("faultId", "")),
+                    fault=kind,
+                    node=str(entry.get("node", "")),
+                    at=at,
+                    pods=tuple(
+                        PodRef(namespace, str(p.get("name", "")), str(p.get("uid", "")))
+                        for p in entry.get("pods") or []
+                    ),
+                )
+            )
+    return sorted(found, key=lambda p: p.at)
+
+
+def finish_restart(
+    status: Mapping[str, Any] | None, job: str, fault_ids: Iterable[str]
+) -> dict[str, Any]:
+    """The status without the pending restarts of `job` for `fault_ids`."""
+    new: dict[str, Any] = copy.deepcopy(dict(status or {}))
+    entry = _find(new, job)
+    done = set(fault_ids)
+    if entry is not None and entry.get("pendingRestarts"):
+        left = [p for p in entry["pendingRestarts"] if p.get("faultId") not in done]
+        if left:
+            entry["pendingRestarts"] = left
+        else:
+            del entry["pendingRestarts"]
     return new
 
 

@@ -294,6 +294,7 @@ class ClusterWatcher:
         self._ignored: OrderedDict[str, None] = OrderedDict()
         self._emitted: OrderedDict[str, None] = OrderedDict()
         self._not_ready: dict[str, datetime] = {}  # node → since
+        self._nodes: set[str] = set()
         self._stopping = threading.Event()
         core: Any = client.CoreV1Api(api)
         self._watches: list[ListWatch] = []
@@ -364,6 +365,11 @@ class ClusterWatcher:
         with self._lock:
             return node in self._not_ready
 
+    def node_counts(self) -> tuple[int, int]:
+        """(NotReady, all) nodes as the watch shows them now."""
+        with self._lock:
+            return len(self._not_ready), len(self._nodes)
+
     # --- pods ----------------------------------------------------------------------------
 
     def _pods_listed(self, namespace: str | None, items: list[dict[str, Any]]) -> None:
@@ -410,6 +416,7 @@ class ClusterWatcher:
     def _nodes_listed(self, items: list[dict[str, Any]]) -> None:
         with self._lock:
             self._not_ready.clear()
+            self._nodes.clear()
         for node in items:
             self._node_event("ADDED", node)
 
@@ -417,6 +424,10 @@ class ClusterWatcher:
         name = str((node.get("metadata") or {}).get("name", ""))
         since = None if kind == "DELETED" else not_ready_since(node)
         with self._lock:
+            if kind == "DELETED":
+                self._nodes.discard(name)
+            else:
+                self._nodes.add(name)
             if since is None:
                 self._not_ready.pop(name, None)
             else:

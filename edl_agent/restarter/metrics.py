@@ -1,0 +1,112 @@
+"""The restarter's Prometheus metrics, in a registry of its own (served by `MetricsServer`).
+
+edl_restarter_decisions_total{action,reason}      decisions; reason = the fault's kind
+edl_restarter_fault_to_replacement_seconds{fault} fault observed → replacement created
+edl_restarter_replacement_errors_total            replacements the API refused
+edl_restarter_intake_faults_total{outcome}        reported faults: accepted, duplicate
+edl_restarter_intake_refusals_total{reason}       reports refused (token, account, node)
+edl_restarter_queue_depth                         faults waiting for a decision
+edl_restarter_leader                              1 while this replica leads
+edl_restarter_storm_paused                        1 while the storm guard holds restarts
+edl_restarter_nodes_not_ready                     NotReady nodes the watch sees
+edl_restarter_held_faults                         node faults the storm guard holds
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
+
+    from edl_agent.restarter.intake import IntakeCounts
+
+# Replacements are created in tens of milliseconds; node faults include the node grace.
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class RestarterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.decisions = Counter(
+            "edl_restarter_decisions",
+            "Decisions the restarter made, by action and by the kind of fault decided on.",
+            ["action", "reason"],
+            registry=r,
+        )
+        self.fault_to_replacement = Histogram(
+            "edl_restarter_fault_to_replacement_seconds",
+            "Time from a fault's observation to its replacement pod's creation.",
+            ["fault"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.replacement_errors = Counter(
+            "edl_restarter_replacement_errors",
+            "Pod replacements the API refused or that failed (retried on restart).",
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "edl_restarter_queue_depth", "Faults waiting for a decision.", registry=r
+        )
+        self.leader = Gauge(
+            "edl_restarter_leader", "1 while this replica holds the leader Lease.", registry=r
+        )
+        self.storm_paused = Gauge(
+            "edl_restarter_storm_paused",
+            "1 while the storm guard holds node-failure restarts.",
+            registry=r,
+        )
+        self.nodes_not_ready = Gauge(
+            "edl_restarter_nodes_not_ready", "NotReady nodes the restarter sees.", registry=r
+        )
+        self.held_faults = Gauge(
+            "edl_restarter_held_faults",
+            "Node-failure faults the storm guard holds back.",
+            registry=r,
+        )
+
+    def watch_intake(self, counts: Callable[[], IntakeCounts]) -> None:
+        """Export the intake's counts (read at each scrape)."""
+        self.registry.register(_IntakeCollector(counts))
+
+
+class _IntakeCollector(Collector):
+    def __init__(self, counts: Callable[[], IntakeCounts]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        counts = self._counts()
+        faults = CounterMetricFamily(
+            "edl_restarter_intake_faults",
+            "Faults agents reported, by outcome.",
+            labels=["outcome"],
+        )
+        faults.add_metric(["accepted"], counts.accepted)
+        faults.add_metric(["duplicate"], counts.duplicates)
+        yield faults
+        refusals = CounterMetricFamily(
+            "edl_restarter_intake_refusals",
+            "Reports or faults the intake refused, by reason.",
+            labels=["reason"],
+        )
+        for reason, count in sorted(counts.refused.items()):
+            refusals.add_metric([reason], count)
+        yield refusals
+        errors = CounterMetricFamily(
+            "edl_restarter_intake_errors",
+            "Reports the intake could not take: token review unavailable, or the queue failed.",
+            labels=["kind"],
+        )
+        errors.add_metric(["review"], counts.review_errors)
+        errors.add_metric(["sink"], counts.sink_errors)
+        yield errors
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
