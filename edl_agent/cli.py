@@ -286,8 +286,12 @@ def _run(args: argparse.Namespace) -> int:
     from edl_agent.agent import Agent
     from edl_agent.faults.outbox import OutboxError
     from edl_agent.kube import KubeConfigError, connect
+    from edl_agent.plugin.server import socket_dir_problem
 
     with node_settings(args) as settings:
+        problem = socket_dir_problem(Path(settings.plugin.kubelet_dir))
+        if problem is not None:
+            raise UsageError(problem)
         agent = Agent(settings)
         print(render_table(agent.state.snapshot().inventory), flush=True)
         try:

@@ -138,6 +138,17 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
         (["discover"], {"EDL_LOG_LEVEL": "loud"}, "log_level: expected one of"),
         (["discover", "--config", "/nonexistent.yaml"], {}, "config file /nonexistent.yaml"),
         (["simulate", "build", "nope", "/tmp/x"], {}, "unknown profile 'nope'"),
+        (
+            ["run", "--host-root", "/", "--kubelet-dir", "/k" * 60],
+            {},
+            "too long for unix sockets: its socket paths would be 142 bytes, the limit is 107",
+        ),
+        (["restarter", "--storm-max-share", "0"], {}, "--storm-max-share: expected a share > 0"),
+        (
+            ["restarter", "--renew-deadline-seconds", "20"],
+            {},
+            "leader election needs 0 < --retry-period-seconds < --renew-deadline-seconds",
+        ),
     ],
 )
 def test_bad_input_is_one_line_exit_2(args: list[str], env: dict[str, str], message: str) -> None:

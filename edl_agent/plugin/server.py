@@ -23,6 +23,7 @@ MAX_WORKERS = 8
 
 # sun_path holds 108 bytes; gRPC refuses paths near that limit, so keep a margin.
 MAX_SOCKET_PATH = 100
+UNIX_PATH_MAX = 107  # sockaddr_un.sun_path holds 108 bytes with the NUL
 
 
 def socket_path(directory: Path, resource: str) -> Path:
@@ -35,6 +36,21 @@ def socket_path(directory: Path, resource: str) -> Path:
         return readable
     digest = hashlib.sha256(resource.encode()).hexdigest()[:12]
     return directory / f"{SOCKET_PREFIX}{digest}.sock"
+
+
+def socket_dir_problem(directory: Path) -> str | None:
+    """Why `directory` cannot hold our sockets and kubelet's (None: it can): a unix socket's
+    path is limited to 107 bytes, and even our shortest names would not fit."""
+    longest = max(
+        len(str(socket_path(directory, "/" * (MAX_SOCKET_PATH + 1))).encode()),
+        len(str(directory / "kubelet.sock").encode()),
+    )
+    if longest <= UNIX_PATH_MAX:
+        return None
+    return (
+        f"kubelet directory {directory} is too long for unix sockets: its socket paths would "
+        f"be {longest} bytes, the limit is {UNIX_PATH_MAX}; use a shorter path"
+    )
 
 
 class PluginServer:

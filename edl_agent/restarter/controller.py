@@ -1,7 +1,10 @@
 """The restarter's loop: faults in (intake and watchers), decisions and replacements out.
 
-Faults queue up for one worker thread, which handles them one at a time, so two faults of a
-job never race on its policy's status. For each pod of a fault: the policy that covers it (from
+Faults queue up for a dispatcher thread, which drops duplicates, asks the storm guard, and hands
+each pod of a fault to one of `workers` threads chosen by the policy that covers the pod, so the
+faults of one policy are decided in order while different policies proceed in parallel (and
+two writers of one policy's status would still be safe: every write is conditional on the
+resourceVersion read). For each pod of a fault: the policy that covers it (from
 a list+watch of FaultTolerancePolicy objects; a malformed one gets condition SpecValid=False in
 its status and covers nothing), then read the policy, `decide`, persist the decision's status
 with the read resourceVersion (on a conflict read and decide again), and only then act: Restart
@@ -23,6 +26,7 @@ import functools
 import queue
 import socket
 import threading
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -66,6 +70,14 @@ class _Item:
     retry: bool = False  # a Backoff's second look: not a duplicate
 
 
+@dataclass(frozen=True)
+class _Task:
+    fault: Fault
+    pod: dict[str, Any]
+    ref: PodRef
+    policy: str
+
+
 class Controller:
     def __init__(
         self,
@@ -77,6 +89,7 @@ class Controller:
         metrics: RestarterMetrics | None = None,
         events: EventWriter | None = None,
         storm_object: Mapping[str, str] | None = None,
+        workers: int = 8,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
         """`storm_object`: the object (see `events.reference`) storm Events are about."""
@@ -94,10 +107,13 @@ class Controller:
         )
         self.actuator = Actuator(api, before_delete=self.watcher.ignore_uid)
         self._queue: queue.Queue[_Item] = queue.Queue()
-        self.metrics.queue_depth.set_function(self._queue.qsize)
+        self.metrics.queue_depth.set_function(self.queue_depth)
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._policies: dict[tuple[str, str], Policy | None] = {}
+        # The newest policy objects seen (watch events and our own writes): decisions start
+        # from them instead of a read; a stale one costs a Conflict and a read.
+        self._latest: dict[tuple[str, str], dict[str, Any]] = {}
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._timers: set[threading.Timer] = set()
         objects: Any = client.CustomObjectsApi(api)
@@ -119,6 +135,11 @@ class Controller:
                 )
             )
         self._worker = threading.Thread(target=self._work, name="restarter", daemon=True)
+        self._tasks: list[queue.Queue[_Task | None]] = [queue.Queue() for _ in range(workers)]
+        self._workers = [
+            threading.Thread(target=self._decide_tasks, args=(q,), name=f"decide-{i}", daemon=True)
+            for i, q in enumerate(self._tasks)
+        ]
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -128,6 +149,8 @@ class Controller:
             watch.start()
         self.watcher.start()
         self._worker.start()
+        for worker in self._workers:
+            worker.start()
 
     def wait_synced(self, timeout: float = 30.0) -> bool:
         return all(w.synced.wait(timeout) for w in self._policy_watches) and (
@@ -144,12 +167,23 @@ class Controller:
         for watch in self._policy_watches:
             watch.stop()
         self._worker.join(timeout=10)
+        for tasks in self._tasks:
+            tasks.put(None)
+        for worker in self._workers:
+            worker.join(timeout=10)
         self._events.stop()
 
     def knows_policy(self, namespace: str, name: str) -> bool:
         """Whether the policy watch has seen this policy (valid or not)."""
         with self._lock:
             return (namespace, name) in self._policies
+
+    def queue_depth(self) -> int:
+        """Faults waiting for the dispatcher, and pods waiting for a decision."""
+        return self._queue.qsize() + sum(q.qsize() for q in self._tasks)
+
+    def workers_alive(self) -> bool:
+        return self._worker.is_alive() and all(w.is_alive() for w in self._workers)
 
     def submit(self, fault: Fault) -> None:
         """Queue a fault (the intake's and the watcher's sink); returns at once."""
@@ -161,6 +195,7 @@ class Controller:
         with self._lock:
             for key in [k for k in self._policies if namespace is None or k[0] == namespace]:
                 del self._policies[key]
+                self._latest.pop(key, None)
         for item in items:
             self._policy_event("ADDED", item)
 
@@ -170,6 +205,7 @@ class Controller:
         if kind == "DELETED":
             with self._lock:
                 self._policies.pop(key, None)
+                self._latest.pop(key, None)
             return
         policy: Policy | None
         try:
@@ -180,7 +216,29 @@ class Controller:
             log.warning("malformed FaultTolerancePolicy", policy="/".join(key), error=problem)
         with self._lock:
             self._policies[key] = policy
+        self._remember(obj)
         self._mark_valid(obj, problem)
+
+    def _remember(self, obj: Mapping[str, Any]) -> None:
+        meta = obj.get("metadata") or {}
+        key = (str(meta.get("namespace", "")), str(meta.get("name", "")))
+        with self._lock:
+            old = self._latest.get(key)
+            if old is None or _version(old) <= _version(obj):
+                self._latest[key] = dict(obj)
+
+    def _policy_object(self, namespace: str, name: str, *, fresh: bool) -> dict[str, Any]:
+        if not fresh:
+            with self._lock:
+                cached = self._latest.get((namespace, name))
+            if cached is not None:
+                return cached
+        obj = self.actuator.read_policy(namespace, name)
+        self._remember(obj)
+        return obj
+
+    def _write_status(self, obj: Mapping[str, Any], status: Mapping[str, Any]) -> None:
+        self._remember(self.actuator.write_status(obj, status))
 
     def _mark_valid(self, obj: dict[str, Any], problem: str | None) -> None:
         status = dict(obj.get("status") or {})
@@ -357,10 +415,10 @@ class Controller:
             self._finish(namespace, policy, pending)
 
     def _finish(self, namespace: str, name: str, pending: PendingRestart) -> None:
-        for _ in range(DECIDE_ATTEMPTS):
+        for attempt in range(DECIDE_ATTEMPTS):
             try:
-                obj = self.actuator.read_policy(namespace, name)
-                self.actuator.write_status(
+                obj = self._policy_object(namespace, name, fresh=attempt > 0)
+                self._write_status(
                     obj, finish_restart(obj.get("status"), pending.job, [pending.fault_id])
                 )
                 return
@@ -371,6 +429,7 @@ class Controller:
                 return
 
     def _handle(self, fault: Fault) -> None:
+        """Hand each pod of `fault` to the worker of the policy that covers it."""
         for ref in fault.pods:
             pod = self.watcher.find_pod(ref) or self.actuator.read_pod(ref.namespace, ref.name)
             if pod is None or (ref.uid and pod_ref(pod).uid != ref.uid):
@@ -382,13 +441,23 @@ class Controller:
             if covering is None:
                 log.debug("no policy covers the pod", fault_id=fault.id, pod=found.name)
                 continue
-            self._decide_and_act(fault, pod, found, covering[0])
+            shard = zlib.crc32(f"{found.namespace}/{covering[0]}".encode()) % len(self._tasks)
+            self._tasks[shard].put(_Task(fault, pod, found, covering[0]))
+
+    def _decide_tasks(self, tasks: queue.Queue[_Task | None]) -> None:
+        while (task := tasks.get()) is not None:
+            if self._stopping.is_set():
+                return
+            try:
+                self._decide_and_act(task.fault, task.pod, task.ref, task.policy)
+            except Exception:
+                log.exception("handling a fault failed", fault_id=task.fault.id)
 
     def _decide_and_act(self, fault: Fault, pod: dict[str, Any], ref: PodRef, name: str) -> None:
         labels = (pod.get("metadata") or {}).get("labels") or {}
         targets: list[dict[str, Any]] = []
-        for _ in range(DECIDE_ATTEMPTS):
-            obj = self.actuator.read_policy(ref.namespace, name)
+        for attempt in range(DECIDE_ATTEMPTS):
+            obj = self._policy_object(ref.namespace, name, fresh=attempt > 0)
             try:
                 policy = parse_policy(obj.get("spec"))
             except (SchemaError, ValueError):
@@ -410,7 +479,7 @@ class Controller:
             if decision.action is Action.RESTART:
                 targets = self._targets(decision, pod, policy)
             try:
-                self.actuator.write_status(
+                self._write_status(
                     obj,
                     record_decision(
                         obj.get("status"),
@@ -509,3 +578,11 @@ class Controller:
         with self._lock:
             self._timers.add(timer)
         timer.start()
+
+
+def _version(obj: Mapping[str, Any]) -> int:
+    """resourceVersion as a number (etcd's revision); 0 when it is not one."""
+    try:
+        return int((obj.get("metadata") or {}).get("resourceVersion", 0))
+    except (TypeError, ValueError):
+        return 0

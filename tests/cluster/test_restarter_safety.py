@@ -139,7 +139,7 @@ def test_a_restarter_killed_mid_replacement_finishes_once_when_started_again(
     try:
         wait_for("the policy", lambda: first.knows_policy(k8s.namespace, "train"), bool, 10)
         exit_pod(k8s, "llm-worker-0", 137)
-        wait_for("the first restarter to die", first._worker.is_alive, lambda a: not a)
+        wait_for("the first restarter to die", first.workers_alive, lambda alive: not alive)
     finally:
         first.stop()
 
