@@ -63,16 +63,21 @@ def api_client(
     environ: Mapping[str, str] | None = None,
     token_file: str = SERVICE_TOKEN_FILENAME,
     ca_file: str = SERVICE_CERT_FILENAME,
+    connections: int | None = None,
 ) -> client.ApiClient | None:
-    """A client from the explicit kubeconfig, else the in-cluster service account, else None."""
+    """A client from the explicit kubeconfig, else the in-cluster service account, else None.
+    `connections`: the most connections it keeps open (each watch holds one)."""
     env = os.environ if environ is None else environ
+    configuration = client.Configuration()
+    if connections is not None:
+        configuration.connection_pool_maxsize = connections
     if kubeconfig:
         if not Path(kubeconfig).is_file():
             msg = f"node.kubeconfig: {kubeconfig} does not exist"
             raise KubeConfigError(msg)
         try:
             api: client.ApiClient = kube_config.new_client_from_config(  # type: ignore[no-untyped-call]
-                config_file=kubeconfig
+                config_file=kubeconfig, client_configuration=configuration
             )
             return api
         except (kube_config.ConfigException, ValueError, KeyError, OSError, yaml.YAMLError) as exc:
@@ -80,7 +85,6 @@ def api_client(
             raise KubeConfigError(msg) from None
     if not env.get(SERVICE_HOST_ENV_NAME) or not Path(token_file).is_file():
         return None
-    configuration = client.Configuration()
     try:
         loader = InClusterConfigLoader(token_file, ca_file, environ=env)  # type: ignore[no-untyped-call]
         loader.load_and_set(configuration)  # type: ignore[no-untyped-call]

@@ -166,7 +166,8 @@ def run(args: argparse.Namespace) -> int:
         )
         raise UsageError(msg)
     try:
-        api = api_client(args.kubeconfig)
+        # Watches (pods per namespace, nodes, policies), decision workers, events, the Lease.
+        api = api_client(args.kubeconfig, connections=32)
     except KubeConfigError as exc:
         raise UsageError(str(exc)) from None
     if api is None:

@@ -75,6 +75,43 @@ def forge_token(token: str, **claims: object) -> str:
     return f"{header}.{forged}.{signature}"
 
 
+def bound_tokens(
+    core: client.CoreV1Api,
+    namespace: str,
+    node: str,
+    service_account: str,
+    audiences: list[list[str]],
+    *,
+    pod_labels: dict[str, str] | None = None,
+) -> list[str]:
+    """Tokens as kubelet projects them into a pod of `service_account` on `node`, one per
+    audience list ([] is the API server's): bound to that pod, so they name the node."""
+    pod = core.create_namespaced_pod(
+        namespace,
+        client.V1Pod(
+            metadata=client.V1ObjectMeta(
+                name=f"{service_account}-{secrets.token_hex(3)}", labels=pod_labels
+            ),
+            spec=client.V1PodSpec(
+                node_name=node,
+                service_account_name=service_account,
+                containers=[client.V1Container(name="c", image="registry.invalid/edl:test")],
+            ),
+        ),
+    )
+    reference = client.V1BoundObjectReference(
+        kind="Pod", api_version="v1", name=pod.metadata.name, uid=pod.metadata.uid
+    )
+    tokens = []
+    for wanted in audiences:
+        request = client.AuthenticationV1TokenRequest(
+            spec=client.V1TokenRequestSpec(audiences=wanted, bound_object_ref=reference)
+        )
+        response = core.create_namespaced_service_account_token(service_account, namespace, request)
+        tokens.append(str(response.status.token))
+    return tokens
+
+
 class KwokCluster:
     """Typed shortcuts for one test: its namespace, fake GPU nodes, pods and tokens."""
 

@@ -37,7 +37,7 @@ import k8sbinaries
 import pytest
 import testcluster
 import yaml
-from k8s_test_helpers import KwokCluster, wait_for
+from k8s_test_helpers import KwokCluster, bound_tokens, wait_for
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
@@ -270,28 +270,9 @@ def bound_token(k8s_api_client: client.ApiClient) -> Iterator[Callable[..., str]
     core = client.CoreV1Api(k8s_api_client)
 
     def mint(node: str, service_account: str, audiences: list[str] | None = None) -> str:
-        pod = core.create_namespaced_pod(
-            NAMESPACE,
-            client.V1Pod(
-                metadata=client.V1ObjectMeta(
-                    name=f"{service_account}-{secrets.token_hex(3)}",
-                    labels={MINTING_POD_LABEL: "true"},
-                ),
-                spec=client.V1PodSpec(
-                    node_name=node,
-                    service_account_name=service_account,
-                    containers=[client.V1Container(name="c", image="registry.invalid/edl:test")],
-                ),
-            ),
-        )
-        reference = client.V1BoundObjectReference(
-            kind="Pod", api_version="v1", name=pod.metadata.name, uid=pod.metadata.uid
-        )
-        request = client.AuthenticationV1TokenRequest(
-            spec=client.V1TokenRequestSpec(audiences=audiences or [], bound_object_ref=reference)
-        )
-        response = core.create_namespaced_service_account_token(service_account, NAMESPACE, request)
-        return str(response.status.token)
+        labels = {MINTING_POD_LABEL: "true"}
+        wanted = [audiences or []]
+        return bound_tokens(core, NAMESPACE, node, service_account, wanted, pod_labels=labels)[0]
 
     yield mint
     core.delete_collection_namespaced_pod(

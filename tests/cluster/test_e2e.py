@@ -48,7 +48,7 @@ from typing import Any
 
 import pytest
 import testcluster
-from k8s_test_helpers import GPU_RESOURCE, KwokCluster, WaitTimeout, wait_for
+from k8s_test_helpers import GPU_RESOURCE, KwokCluster, WaitTimeout, bound_tokens, wait_for
 from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 from scheduler import Process, ProcessError, free_port, spawn, start_scheduler, tail
@@ -205,30 +205,9 @@ def write_kubeconfig(path: Path, plane: testcluster.ControlPlane, token: str, us
 def agent_tokens(k8s: KwokCluster, node: str) -> tuple[str, str]:
     """Two tokens of the agent's pod on `node`, as kubelet projects them: one for the API server,
     one with audience edl-restarter for the fault intake. Both name the node."""
-    pod = k8s.core.create_namespaced_pod(
-        k8s.namespace,
-        client.V1Pod(
-            metadata=client.V1ObjectMeta(name=k8s.unique_name("edl-agent")),
-            spec=client.V1PodSpec(
-                node_name=node,
-                service_account_name=AGENT_SA,
-                containers=[client.V1Container(name="agent", image="registry.invalid/edl:test")],
-            ),
-        ),
-    )
-    reference = client.V1BoundObjectReference(
-        kind="Pod", api_version="v1", name=pod.metadata.name, uid=pod.metadata.uid
-    )
-    tokens = []
-    for audiences in ([], [AUDIENCE]):
-        request = client.AuthenticationV1TokenRequest(
-            spec=client.V1TokenRequestSpec(audiences=audiences, bound_object_ref=reference)
-        )
-        response = k8s.core.create_namespaced_service_account_token(
-            AGENT_SA, k8s.namespace, request
-        )
-        tokens.append(str(response.status.token))
-    return tokens[0], tokens[1]
+    audiences: list[list[str]] = [[], [AUDIENCE]]
+    api_token, intake_token = bound_tokens(k8s.core, k8s.namespace, node, AGENT_SA, audiences)
+    return api_token, intake_token
 
 
 def restarter_help() -> str:

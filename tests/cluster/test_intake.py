@@ -14,8 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from k8s_test_helpers import KwokCluster, forge_token
-from kubernetes import client
+from k8s_test_helpers import KwokCluster, bound_tokens, forge_token
 
 from edl_agent._proto.edl.fault.v1 import fault_pb2, fault_pb2_grpc
 from edl_agent.faults.convert import to_proto
@@ -34,27 +33,7 @@ def pod_bound_token(
 ) -> str:
     """A token as kubelet gives the agent's pod: bound to a pod on `node`, so it names the node."""
     k8s.create_service_account(service_account)
-    pod = k8s.core.create_namespaced_pod(
-        k8s.namespace,
-        client.V1Pod(
-            metadata=client.V1ObjectMeta(name=k8s.unique_name("edl-agent")),
-            spec=client.V1PodSpec(
-                node_name=node,
-                service_account_name=service_account,
-                containers=[client.V1Container(name="agent", image="registry.invalid/edl:test")],
-            ),
-        ),
-    )
-    reference = client.V1BoundObjectReference(
-        kind="Pod", api_version="v1", name=pod.metadata.name, uid=pod.metadata.uid
-    )
-    request = client.AuthenticationV1TokenRequest(
-        spec=client.V1TokenRequestSpec(audiences=audiences or [], bound_object_ref=reference)
-    )
-    response = k8s.core.create_namespaced_service_account_token(
-        service_account, k8s.namespace, request
-    )
-    return str(response.status.token)
+    return bound_tokens(k8s.core, k8s.namespace, node, service_account, [audiences or []])[0]
 
 
 def fault(n: int, node: str) -> Fault:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import yaml
-from k8s_test_helpers import KwokCluster, node_ready, wait_for
+from k8s_test_helpers import KwokCluster, bound_tokens, node_ready, wait_for
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
@@ -153,27 +153,7 @@ def install_manifest(k8s: KwokCluster) -> list[Callable[[], object]]:
 def pod_bound_token(k8s: KwokCluster, node: str, service_account: str = "edl-agent") -> str:
     """A token as kubelet gives the agent's pod: bound to a pod on `node`, so it carries the
     node's name (the admission policy checks it)."""
-    pod = k8s.core.create_namespaced_pod(
-        k8s.namespace,
-        client.V1Pod(
-            metadata=client.V1ObjectMeta(name=k8s.unique_name("edl-agent")),
-            spec=client.V1PodSpec(
-                node_name=node,
-                service_account_name=service_account,
-                containers=[client.V1Container(name="agent", image="registry.invalid/edl:test")],
-            ),
-        ),
-    )
-    reference = client.V1BoundObjectReference(
-        kind="Pod", api_version="v1", name=pod.metadata.name, uid=pod.metadata.uid
-    )
-    request = client.AuthenticationV1TokenRequest(
-        spec=client.V1TokenRequestSpec(audiences=[], bound_object_ref=reference)
-    )
-    response = k8s.core.create_namespaced_service_account_token(
-        service_account, k8s.namespace, request
-    )
-    return str(response.status.token)
+    return bound_tokens(k8s.core, k8s.namespace, node, service_account, [[]])[0]
 
 
 def status_of(exc: ApiException | ApiError) -> tuple[int | None, str]:
