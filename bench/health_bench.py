@@ -1,10 +1,10 @@
 """Health figures: injected XID → ListAndWatch update latency, and the agent's idle CPU and RSS.
 
-    .venv/bin/python bench/health_bench.py [--injections 1000] [--idle-seconds 30]
+    .venv/bin/python bench/health_bench.py [--quick] [--injections 1000] [--idle-seconds 30]
 
 The agent runs as its own process (`edl-agent run`) on a simulated dgx-h100 with a kubelet
 stand-in; XIDs go through the fake NVML library's fault file and arrive as real NVML events.
-Prints one `name value unit` line per figure.
+`--quick` is `--injections 40 --idle-seconds 5`. Prints one `name value unit` line per figure.
 """
 
 from __future__ import annotations
@@ -37,9 +37,12 @@ def percentile(values: list[float], q: float) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--injections", type=int, default=1000)
-    parser.add_argument("--idle-seconds", type=float, default=30.0)
+    parser.add_argument("--quick", action="store_true", help="--injections 40 --idle-seconds 5")
+    parser.add_argument("--injections", type=int, help="XIDs injected (default 1,000)")
+    parser.add_argument("--idle-seconds", type=float, help="idle CPU window (default 30)")
     args = parser.parse_args()
+    injections = args.injections or (40 if args.quick else 1000)
+    idle_seconds = args.idle_seconds or (5.0 if args.quick else 30.0)
     with tempfile.TemporaryDirectory(prefix="edl-bench-") as tmp:
         tree = Path(tmp) / "node"
         build_tree(load_profile("dgx-h100"), tree)
@@ -55,8 +58,8 @@ def main() -> int:
         )  # fmt: skip
         try:
             kubelet.wait_registered({RESOURCE}, timeout=60)
-            idle(psutil.Process(agent.pid), args.idle_seconds)
-            latencies(kubelet, tree, args.injections)
+            idle(psutil.Process(agent.pid), idle_seconds)
+            latencies(kubelet, tree, injections)
         finally:
             agent.terminate()
             agent.wait(timeout=20)

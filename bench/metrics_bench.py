@@ -2,9 +2,9 @@
 attribution through a pod-resources stand-in on a real unix socket, and the process's RSS
 after many scrapes (it should stay flat).
 
-    .venv/bin/python bench/metrics_bench.py [--scrapes 1000] [--soak 10000] [--pods 8]
+    .venv/bin/python bench/metrics_bench.py [--quick] [--scrapes 1000] [--soak 10000] [--pods 8]
 
-Prints one `name value unit` line per figure.
+`--quick` is `--scrapes 200 --soak 3000`. Prints one `name value unit` line per figure.
 """
 
 from __future__ import annotations
@@ -46,10 +46,13 @@ def percentile(values: list[float], q: float) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--scrapes", type=int, default=1_000)
-    parser.add_argument("--soak", type=int, default=10_000)
+    parser.add_argument("--quick", action="store_true", help="--scrapes 200 --soak 3000")
+    parser.add_argument("--scrapes", type=int, help="timed scrapes (default 1,000)")
+    parser.add_argument("--soak", type=int, help="scrapes for the RSS figure (default 10,000)")
     parser.add_argument("--pods", type=int, default=8, help="pods holding one GPU replica each")
     args = parser.parse_args()
+    scrapes = args.scrapes or (200 if args.quick else 1_000)
+    soak_scrapes = args.soak or (3_000 if args.quick else 10_000)
     log.configure("error")
     with tempfile.TemporaryDirectory(prefix="edl-bench-") as tmp:
         tree = Path(tmp) / "node"
@@ -94,14 +97,14 @@ def main() -> int:
             print(f"scrape_bytes {size} bytes")
             print(f"healthy_series {series} series")
             latencies = []
-            for _ in range(args.scrapes):
+            for _ in range(scrapes):
                 started = time.perf_counter()
                 scrape(connection)
                 latencies.append(time.perf_counter() - started)
             print(f"scrape_p50 {percentile(latencies, 50) * 1000:.3f} ms")
             print(f"scrape_p99 {percentile(latencies, 99) * 1000:.3f} ms")
             print(f"scrape_mean {statistics.fmean(latencies) * 1000:.3f} ms")
-            soak(connection, args.soak)
+            soak(connection, soak_scrapes)
             connection.close()
             print(f"pod_resources_list_calls {standin.calls} calls")
         finally:

@@ -1,7 +1,9 @@
 """Device-plugin figures: Allocate latency over a real unix socket with 1,000 advertised slice
 ids, and the time from a kubelet restart to every resource registered again.
 
-    .venv/bin/python bench/plugin_bench.py [--calls 10000] [--restarts 20]
+    .venv/bin/python bench/plugin_bench.py [--quick] [--calls 10000] [--restarts 20]
+
+`--quick` is `--calls 1000 --restarts 5`.
 
 Prints one `name value unit` line per figure.
 """
@@ -39,9 +41,12 @@ def percentile(values: list[float], q: float) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--calls", type=int, default=10_000)
-    parser.add_argument("--restarts", type=int, default=20)
+    parser.add_argument("--quick", action="store_true", help="--calls 1000 --restarts 5")
+    parser.add_argument("--calls", type=int, help="Allocate calls (default 10,000)")
+    parser.add_argument("--restarts", type=int, help="kubelet restarts (default 20)")
     args = parser.parse_args()
+    calls = args.calls or (1000 if args.quick else 10_000)
+    restarts = args.restarts or (5 if args.quick else 20)
     log.configure("error")
     with tempfile.TemporaryDirectory(prefix="edl-bench-") as tmp:
         tree = Path(tmp) / "node"
@@ -62,8 +67,8 @@ def main() -> int:
             kubelet.wait_registered({RESOURCE})
             ids = list(agent.state.snapshot().resources[RESOURCE].device_ids)
             print(f"advertised_ids {len(ids)} ids")
-            allocate_latencies(kubelet, ids, args.calls)
-            restart_latencies(kubelet, args.restarts)
+            allocate_latencies(kubelet, ids, calls)
+            restart_latencies(kubelet, restarts)
         finally:
             agent.stop.set()
             thread.join()

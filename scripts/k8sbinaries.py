@@ -150,14 +150,14 @@ def _go_env() -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def _heartbeat(what: str, every: float = 60.0) -> Iterator[None]:
-    """Print a line every ``every`` seconds so a long cold build does not look hung."""
+def heartbeat(what: str, every: float = 60.0, say: Callable[[str], None] = log) -> Iterator[None]:
+    """Say a line every ``every`` seconds so a long cold build does not look hung."""
     done = threading.Event()
     started = time.monotonic()
 
     def beat() -> None:
         while not done.wait(every):
-            log(f"  ... still building {what} ({time.monotonic() - started:.0f}s)")
+            say(f"  ... still building {what} ({time.monotonic() - started:.0f}s)")
 
     thread = threading.Thread(target=beat, daemon=True)
     thread.start()
@@ -168,9 +168,11 @@ def _heartbeat(what: str, every: float = 60.0) -> Iterator[None]:
         thread.join()
 
 
-def _run_logged(
+def run_logged(
     argv: list[str], *, cwd: Path, logfile: Path, what: str, env: dict[str, str] | None = None
 ) -> None:
+    """Run a build step with its output appended to ``logfile``; BinariesError with the log's
+    tail when it fails. ``env`` is laid over the environment (CGO off, no VCS stamping)."""
     with logfile.open("a") as out:
         out.write(f"\n$ {' '.join(argv)}\n")
         out.flush()
@@ -277,9 +279,9 @@ def build_kubernetes_command(name: str) -> Path:
         f"(kube-apiserver about 4-5 min on 2 cores with cold Go caches, the others less once "
         f"it is built; log {logfile})"
     )
-    with _heartbeat(what):
-        _run_logged([go, "get", f"{pkg}@{version}"], cwd=work, logfile=logfile, what=what)
-        _run_logged(
+    with heartbeat(what):
+        run_logged([go, "get", f"{pkg}@{version}"], cwd=work, logfile=logfile, what=what)
+        run_logged(
             [
                 go,
                 "build",
@@ -311,9 +313,9 @@ def build_etcd() -> Path:
     log(
         f"building {what} from the Go module proxy (1.5-2.5 min with cold Go caches; log {logfile})"
     )
-    with _heartbeat(what):
-        _run_logged([go, "get", f"{pkg}@{ETCD_VERSION}"], cwd=work, logfile=logfile, what=what)
-        _run_logged(
+    with heartbeat(what):
+        run_logged([go, "get", f"{pkg}@{ETCD_VERSION}"], cwd=work, logfile=logfile, what=what)
+        run_logged(
             [go, "build", "-trimpath", "-ldflags", "-s -w", "-o", "etcd", pkg],
             cwd=work,
             logfile=logfile,
@@ -353,8 +355,8 @@ def build_kwok() -> Path:
     gobin = work / "bin"
     gobin.mkdir(exist_ok=True)
     ldflags = f"-s -w -X sigs.k8s.io/kwok/pkg/consts.Version={KWOK_VERSION[1:]}"
-    with _heartbeat(what):
-        _run_logged(
+    with heartbeat(what):
+        run_logged(
             [
                 go,
                 "install",

@@ -54,7 +54,7 @@
  * appended line wakes it at once and an idle wait costs no CPU.
  *
  * Layout of this file: NVML types, the device table, the data-file parser, the fault file,
- * then the API in groups (lifecycle, system, device identity, memory/PCI, MIG,
+ * then the API in groups (lifecycle, system, device identity, memory/PCI, MIG, MIG instances,
  * NVLink/topology, telemetry, ECC, events).
  */
 #define _GNU_SOURCE
@@ -1359,6 +1359,325 @@ nvmlReturn_t nvmlDeviceGetComputeInstanceId(nvmlDevice_t device, unsigned int *i
     if (ret == NVML_SUCCESS)
         *id = d->compute_instance_id;
     return ret;
+}
+
+/* ---- MIG GPU and compute instances ------------------------------------------------------- */
+
+/* Each simulated MIG device is one GPU instance holding one compute instance that spans it, as
+ * `nvidia-smi mig -cgi <profile> -C` makes them. Profile ids follow nvml.h: the slice count of
+ * an instance decides it. NVIDIA's device plugin (through go-nvlib) reads these to name MIG
+ * resources (nvidia.com/mig-3g.40gb) under the mixed strategy. */
+
+#define NVML_GPU_INSTANCE_PROFILE_COUNT 0x11
+#define NVML_COMPUTE_INSTANCE_PROFILE_COUNT 0x8
+#define NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_COUNT 0x1
+#define SLICES_PER_GPU 7
+#define SMS_PER_SLICE 14 /* an A100's 98 SMs over 7 slices */
+
+typedef struct {
+    unsigned int start;
+    unsigned int size;
+} nvmlPlacement_t; /* nvmlGpuInstancePlacement_t and nvmlComputeInstancePlacement_t alike */
+
+typedef struct {
+    unsigned int id;
+    unsigned int isP2pSupported;
+    unsigned int sliceCount;
+    unsigned int instanceCount;
+    unsigned int multiprocessorCount;
+    unsigned int copyEngineCount;
+    unsigned int decoderCount;
+    unsigned int encoderCount;
+    unsigned int jpegCount;
+    unsigned int ofaCount;
+    unsigned long long memorySizeMB;
+} nvmlGpuInstanceProfileInfo_t;
+
+typedef struct {
+    unsigned int id;
+    unsigned int sliceCount;
+    unsigned int instanceCount;
+    unsigned int multiprocessorCount;
+    unsigned int sharedCopyEngineCount;
+    unsigned int sharedDecoderCount;
+    unsigned int sharedEncoderCount;
+    unsigned int sharedJpegCount;
+    unsigned int sharedOfaCount;
+} nvmlComputeInstanceProfileInfo_t;
+
+typedef struct {
+    unsigned int multiprocessorCount;
+    unsigned int sharedCopyEngineCount;
+    unsigned int sharedDecoderCount;
+    unsigned int sharedEncoderCount;
+    unsigned int sharedJpegCount;
+    unsigned int sharedOfaCount;
+    unsigned int gpuInstanceSliceCount;
+    unsigned int computeInstanceSliceCount;
+    unsigned long long memorySizeMB;
+} nvmlDeviceAttributes_t;
+
+/* Handles: one GPU instance and one compute instance per MIG device, at the same index as the
+ * device in `migs`. */
+struct nvmlGpuInstance_st {
+    int unused;
+};
+struct nvmlComputeInstance_st {
+    int unused;
+};
+typedef struct nvmlGpuInstance_st *nvmlGpuInstance_t;
+typedef struct nvmlComputeInstance_st *nvmlComputeInstance_t;
+static struct nvmlGpuInstance_st gpu_instances[MAX_GPUS * MAX_MIGS_PER_GPU];
+static struct nvmlComputeInstance_st compute_instances[MAX_GPUS * MAX_MIGS_PER_GPU];
+
+typedef struct {
+    nvmlDevice_t device;
+    unsigned int id;
+    unsigned int profileId;
+    nvmlPlacement_t placement;
+} nvmlGpuInstanceInfo_t;
+
+typedef struct {
+    nvmlDevice_t device;
+    nvmlGpuInstance_t gpuInstance;
+    unsigned int id;
+    unsigned int profileId;
+    nvmlPlacement_t placement;
+} nvmlComputeInstanceInfo_t;
+
+/* nvml.h's profile id for an instance of `slices` slices (GPU and compute profiles agree on
+ * these), or -1. */
+static int profile_of_slices(unsigned int slices)
+{
+    static const unsigned int by_id[] = {1, 2, 3, 4, 7, 8, 6};
+    for (unsigned int id = 0; id < sizeof by_id / sizeof by_id[0]; id++)
+        if (by_id[id] == slices)
+            return (int)id;
+    return -1;
+}
+
+static unsigned int slices_of_profile(unsigned int profile)
+{
+    static const unsigned int by_id[] = {1, 2, 3, 4, 7, 8, 6};
+    return profile < sizeof by_id / sizeof by_id[0] ? by_id[profile] : 0;
+}
+
+/* "... MIG 3g.40gb" has 3 slices; a name without it falls back on the memory share. */
+static unsigned int mig_slices(const struct nvmlDevice_st *mig)
+{
+    const char *at = strstr(mig->name, "MIG ");
+    unsigned int slices = 0;
+    char g = 0;
+    if (at != NULL && sscanf(at + 4, "%u%c", &slices, &g) == 2 && g == 'g' && slices >= 1 &&
+        slices <= SLICES_PER_GPU)
+        return slices;
+    slices = (unsigned int)((mig->memory_mib * 8 + mig->parent->memory_mib - 1) /
+                            mig->parent->memory_mib);
+    return slices < 1 ? 1 : slices > SLICES_PER_GPU ? SLICES_PER_GPU : slices;
+}
+
+/* The first slice of a MIG device: its earlier siblings are packed before it. */
+static unsigned int mig_start(const struct nvmlDevice_st *mig)
+{
+    unsigned int start = 0;
+    for (unsigned int i = 0; i < mig->index; i++)
+        start += mig_slices(mig->parent->migs[i]);
+    return start;
+}
+
+static unsigned int mig_table_index(const struct nvmlDevice_st *mig)
+{
+    return (unsigned int)(mig - migs);
+}
+
+/* The MIG device behind a GPU or compute instance handle of a GPU still on the bus. */
+static nvmlReturn_t lookup_instance(const void *handle, const void *table, size_t size,
+                                    struct nvmlDevice_st **out)
+{
+    uintptr_t at = (uintptr_t)handle, first = (uintptr_t)table;
+    if (!initialized())
+        return NVML_ERROR_UNINITIALIZED;
+    if (at < first || at >= first + mig_total * size || (at - first) % size)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *out = &migs[(at - first) / size];
+    sync_faults();
+    return get_int(&(*out)->parent->lost) ? NVML_ERROR_GPU_IS_LOST : NVML_SUCCESS;
+}
+
+/* A GPU in MIG mode, for the instance queries. */
+static nvmlReturn_t lookup_mig_gpu(nvmlDevice_t device, struct nvmlDevice_st **out)
+{
+    nvmlReturn_t ret = lookup_gpu(device, out);
+    if (ret == NVML_SUCCESS && (*out)->mig_mode == MIG_UNSUPPORTED)
+        ret = NVML_ERROR_NOT_SUPPORTED;
+    return ret;
+}
+
+nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfo(nvmlDevice_t device, unsigned int profile,
+                                                 nvmlGpuInstanceProfileInfo_t *info)
+{
+    struct nvmlDevice_st *d;
+    unsigned int slices = slices_of_profile(profile);
+    nvmlReturn_t ret = lookup_mig_gpu(device, &d);
+    if (ret == NVML_SUCCESS && (info == NULL || profile >= NVML_GPU_INSTANCE_PROFILE_COUNT))
+        ret = NVML_ERROR_INVALID_ARGUMENT;
+    if (ret == NVML_SUCCESS && (slices == 0 || slices > SLICES_PER_GPU || slices == 6))
+        ret = NVML_ERROR_NOT_SUPPORTED; /* a 7-slice GPU has no 6- or 8-slice instances */
+    if (ret != NVML_SUCCESS)
+        return ret;
+    memset(info, 0, sizeof *info);
+    info->id = profile;
+    info->isP2pSupported = 0;
+    info->sliceCount = slices;
+    info->instanceCount = slices == 3 ? 2 : SLICES_PER_GPU / slices;
+    info->multiprocessorCount = slices * SMS_PER_SLICE;
+    info->copyEngineCount = slices;
+    info->decoderCount = slices / 2;
+    info->jpegCount = slices == SLICES_PER_GPU;
+    info->ofaCount = slices == SLICES_PER_GPU;
+    /* An existing instance of the profile tells its size; else an eighth of memory a slice. */
+    info->memorySizeMB = d->memory_mib * (slices == SLICES_PER_GPU ? 8 : slices) / 8;
+    for (unsigned int i = 0; i < d->mig_count; i++)
+        if (mig_slices(d->migs[i]) == slices)
+            info->memorySizeMB = d->migs[i]->memory_mib;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetGpuInstanceById(nvmlDevice_t device, unsigned int id,
+                                          nvmlGpuInstance_t *instance)
+{
+    struct nvmlDevice_st *d;
+    nvmlReturn_t ret = lookup_mig_gpu(device, &d);
+    if (ret == NVML_SUCCESS && instance == NULL)
+        ret = NVML_ERROR_INVALID_ARGUMENT;
+    if (ret != NVML_SUCCESS)
+        return ret;
+    for (unsigned int i = 0; i < d->mig_count; i++)
+        if (d->migs[i]->gpu_instance_id == id) {
+            *instance = &gpu_instances[mig_table_index(d->migs[i])];
+            return NVML_SUCCESS;
+        }
+    return NVML_ERROR_NOT_FOUND;
+}
+
+nvmlReturn_t nvmlGpuInstanceGetInfo(nvmlGpuInstance_t instance, nvmlGpuInstanceInfo_t *info)
+{
+    struct nvmlDevice_st *mig;
+    nvmlReturn_t ret = lookup_instance(instance, gpu_instances, sizeof *gpu_instances, &mig);
+    if (ret == NVML_SUCCESS && info == NULL)
+        ret = NVML_ERROR_INVALID_ARGUMENT;
+    if (ret != NVML_SUCCESS)
+        return ret;
+    info->device = mig->parent;
+    info->id = mig->gpu_instance_id;
+    info->profileId = (unsigned int)profile_of_slices(mig_slices(mig));
+    info->placement.start = mig_start(mig);
+    info->placement.size = mig_slices(mig);
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlGpuInstanceGetComputeInstanceProfileInfo(nvmlGpuInstance_t instance,
+                                                          unsigned int profile,
+                                                          unsigned int engine_profile,
+                                                          nvmlComputeInstanceProfileInfo_t *info)
+{
+    struct nvmlDevice_st *mig;
+    unsigned int slices = slices_of_profile(profile), gpu_slices;
+    nvmlReturn_t ret = lookup_instance(instance, gpu_instances, sizeof *gpu_instances, &mig);
+    if (ret == NVML_SUCCESS &&
+        (info == NULL || profile >= NVML_COMPUTE_INSTANCE_PROFILE_COUNT ||
+         engine_profile >= NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_COUNT))
+        ret = NVML_ERROR_INVALID_ARGUMENT;
+    if (ret != NVML_SUCCESS)
+        return ret;
+    gpu_slices = mig_slices(mig);
+    if (slices == 0 || slices > gpu_slices)
+        return NVML_ERROR_NOT_SUPPORTED;
+    memset(info, 0, sizeof *info);
+    info->id = profile;
+    info->sliceCount = slices;
+    info->instanceCount = gpu_slices / slices;
+    info->multiprocessorCount = slices * SMS_PER_SLICE;
+    info->sharedCopyEngineCount = gpu_slices;
+    info->sharedDecoderCount = gpu_slices / 2;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlGpuInstanceGetComputeInstanceById(nvmlGpuInstance_t instance, unsigned int id,
+                                                   nvmlComputeInstance_t *compute)
+{
+    struct nvmlDevice_st *mig;
+    nvmlReturn_t ret = lookup_instance(instance, gpu_instances, sizeof *gpu_instances, &mig);
+    if (ret == NVML_SUCCESS && compute == NULL)
+        ret = NVML_ERROR_INVALID_ARGUMENT;
+    if (ret == NVML_SUCCESS && id != mig->compute_instance_id)
+        ret = NVML_ERROR_NOT_FOUND;
+    if (ret == NVML_SUCCESS)
+        *compute = &compute_instances[mig_table_index(mig)];
+    return ret;
+}
+
+static nvmlReturn_t compute_instance_info(nvmlComputeInstance_t compute,
+                                          nvmlComputeInstanceInfo_t *info)
+{
+    struct nvmlDevice_st *mig;
+    nvmlReturn_t ret =
+        lookup_instance(compute, compute_instances, sizeof *compute_instances, &mig);
+    if (ret == NVML_SUCCESS && info == NULL)
+        ret = NVML_ERROR_INVALID_ARGUMENT;
+    if (ret != NVML_SUCCESS)
+        return ret;
+    info->device = mig->parent;
+    info->gpuInstance = &gpu_instances[mig_table_index(mig)];
+    info->id = mig->compute_instance_id;
+    info->profileId = (unsigned int)profile_of_slices(mig_slices(mig));
+    info->placement.start = 0;
+    info->placement.size = mig_slices(mig);
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlComputeInstanceGetInfo_v2(nvmlComputeInstance_t compute,
+                                           nvmlComputeInstanceInfo_t *info)
+{
+    return compute_instance_info(compute, info);
+}
+
+nvmlReturn_t nvmlComputeInstanceGetInfo(nvmlComputeInstance_t compute,
+                                        nvmlComputeInstanceInfo_t *info)
+{
+    return compute_instance_info(compute, info);
+}
+
+/* As in NVML, only MIG device handles have attributes. */
+static nvmlReturn_t device_attributes(nvmlDevice_t device, nvmlDeviceAttributes_t *attributes)
+{
+    struct nvmlDevice_st *d;
+    nvmlReturn_t ret = lookup(device, &d);
+    if (ret == NVML_SUCCESS && attributes == NULL)
+        ret = NVML_ERROR_INVALID_ARGUMENT;
+    if (ret == NVML_SUCCESS && !d->is_mig)
+        ret = NVML_ERROR_NOT_SUPPORTED;
+    if (ret != NVML_SUCCESS)
+        return ret;
+    unsigned int slices = mig_slices(d);
+    memset(attributes, 0, sizeof *attributes);
+    attributes->multiprocessorCount = slices * SMS_PER_SLICE;
+    attributes->sharedCopyEngineCount = slices;
+    attributes->sharedDecoderCount = slices / 2;
+    attributes->gpuInstanceSliceCount = slices;
+    attributes->computeInstanceSliceCount = slices;
+    attributes->memorySizeMB = d->memory_mib;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetAttributes_v2(nvmlDevice_t device, nvmlDeviceAttributes_t *attributes)
+{
+    return device_attributes(device, attributes);
+}
+
+nvmlReturn_t nvmlDeviceGetAttributes(nvmlDevice_t device, nvmlDeviceAttributes_t *attributes)
+{
+    return device_attributes(device, attributes);
 }
 
 /* ---- NVLink and topology ----------------------------------------------------------------- */

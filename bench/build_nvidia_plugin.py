@@ -1,0 +1,134 @@
+"""Build NVIDIA's k8s-device-plugin from the Go module proxy, for the side-by-side benchmark.
+
+    .venv/bin/python bench/build_nvidia_plugin.py [--version v0.19.0] [--force] [--print-path]
+
+The binary goes to `.cache/peers/nvidia-device-plugin/<version>/nvidia-device-plugin` (or under
+`$EDL_PEERS_DIR`) and is reused while it is there; a scratch Go module, go.sum and build.log
+stay in `<version>/.build/`. go-nvml is cgo (it dlopens libnvidia-ml.so.1), so the build needs
+CGO_ENABLED=1 and a C compiler. A cold build takes about 2 minutes on 2 cores.
+
+Standard library only, so it runs before any virtual environment exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+
+import k8sbinaries  # noqa: E402  (build helpers; standard library only too)
+
+DEFAULT_VERSION = "v0.19.0"  # the newest tag proxy.golang.org serves (v0.20.0 answers 403)
+MODULE = "github.com/NVIDIA/k8s-device-plugin"
+PACKAGE = f"{MODULE}/cmd/nvidia-device-plugin"
+BINARY = "nvidia-device-plugin"
+VERSION_VAR = f"{MODULE}/internal/info.version"  # what `--version` prints
+
+
+class BuildError(Exception):
+    """The plugin could not be built; the message says why and what to do."""
+
+
+def log(message: str) -> None:
+    print(f"[build-nvidia-plugin] {message}", file=sys.stderr, flush=True)
+
+
+def peers_dir() -> Path:
+    return Path(os.environ.get("EDL_PEERS_DIR") or REPO / ".cache" / "peers")
+
+
+def binary_path(version: str = DEFAULT_VERSION) -> Path:
+    return peers_dir() / BINARY / version / BINARY
+
+
+def built(version: str = DEFAULT_VERSION) -> Path | None:
+    path = binary_path(version)
+    return path if path.is_file() and os.access(path, os.X_OK) else None
+
+
+def _tool(name: str, why: str) -> str:
+    found = shutil.which(name)
+    if found is None:
+        msg = f"'{name}' is not on PATH: {why}"
+        raise BuildError(msg)
+    return found
+
+
+def build(version: str = DEFAULT_VERSION, *, force: bool = False) -> Path:
+    """The plugin binary for `version`, built first when it is not cached."""
+    target = binary_path(version)
+    if not force and built(version):
+        return target
+    go = _tool("go", f"install Go (>= 1.25 for {MODULE} {version}) to build NVIDIA's plugin")
+    _tool("gcc", "go-nvml is cgo, so building NVIDIA's plugin needs a C compiler")
+    work = target.parent / ".build"
+    work.mkdir(parents=True, exist_ok=True)
+    logfile = work / "build.log"
+    logfile.write_text("")
+    # A scratch module: `go install pkg@version` would also read the proxy's version list for
+    # deprecation notices, and proxy.golang.org answers 403 for this module's list.
+    (work / "go.mod").write_text(
+        f"module edl.local/peers/nvidia\n\ngo 1.25.0\n\nrequire {MODULE} {version}\n"
+    )
+    (work / "doc.go").write_text("package peers\n")
+    env = {"CGO_ENABLED": "1", "GOFLAGS": "-mod=mod -buildvcs=false"}
+    what = f"{BINARY} {version}"
+    log(f"building {PACKAGE}@{version} (about 2 min on 2 cores with cold Go caches; log {logfile})")
+    started = time.monotonic()
+    try:
+        with k8sbinaries.heartbeat(what, every=30.0, say=log):
+            k8sbinaries.run_logged(
+                [go, "mod", "download", MODULE], cwd=work, logfile=logfile, what=what, env=env
+            )
+            k8sbinaries.run_logged(
+                [go, "build", "-trimpath", "-ldflags", f"-s -w -X {VERSION_VAR}={version}",
+                 "-o", BINARY, PACKAGE],
+                cwd=work, logfile=logfile, what=what, env=env,
+            )  # fmt: skip
+    except k8sbinaries.BinariesError as exc:
+        raise BuildError(str(exc)) from None
+    built_binary = work / BINARY
+    built_binary.chmod(0o755)
+    built_binary.replace(target)
+    log(f"built {target} in {time.monotonic() - started:.0f}s")
+    return target
+
+
+def module_source(version: str = DEFAULT_VERSION) -> Path | None:
+    """Where the plugin's source lies in the Go module cache (after a build), if Go is here."""
+    go = shutil.which("go")
+    if go is None:
+        return None
+    done = subprocess.run([go, "env", "GOMODCACHE"], capture_output=True, text=True, check=False)
+    escaped = "".join(f"!{c.lower()}" if c.isupper() else c for c in MODULE)
+    path = Path(done.stdout.strip()) / f"{escaped}@{version}"
+    return path if path.is_dir() else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", default=DEFAULT_VERSION, help="a tag of the Go module")
+    parser.add_argument("--force", action="store_true", help="rebuild even when cached")
+    parser.add_argument("--print-path", action="store_true", help="print the binary's path")
+    args = parser.parse_args(argv)
+    try:
+        path = build(args.version, force=args.force)
+    except BuildError as exc:
+        log(f"error: {exc}")
+        return 1
+    if args.print_path:
+        print(path)
+    else:
+        log(f"ready: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
