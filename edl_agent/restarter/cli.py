@@ -298,8 +298,10 @@ class Restarter:
         self.stop.set()
 
     def _ready(self) -> tuple[bool, str]:
-        if not self.acting.is_set():
+        if self.elector is not None and not self.elector.leading:
             return True, f"standby ({self.identity})"
+        if not self.acting.is_set():
+            return False, "starting"
         if not self.controller.recovered.is_set():
             return False, "listing pods, nodes and policies"
         return True, f"acting ({self.identity})"

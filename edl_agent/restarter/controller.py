@@ -26,6 +26,7 @@ import functools
 import queue
 import socket
 import threading
+import time
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
@@ -283,8 +284,13 @@ class Controller:
     # --- the worker ----------------------------------------------------------------------
 
     def _work(self) -> None:
-        if not self.wait_synced(SYNC_TIMEOUT):
-            log.warning("the watches are not synced yet; deciding anyway")
+        deadline = time.monotonic() + SYNC_TIMEOUT
+        while not self.wait_synced(1.0):
+            if self._stopping.is_set():
+                return
+            if time.monotonic() > deadline:
+                log.warning("the watches are not synced yet; deciding anyway")
+                break
         try:
             self._recover()
         except Exception:
@@ -367,7 +373,7 @@ class Controller:
             keys = sorted(k for k, policy in self._policies.items() if policy is not None)
         for namespace, name in keys:
             try:
-                obj = self.actuator.read_policy(namespace, name)
+                obj = self._policy_object(namespace, name, fresh=False)  # just listed
             except ApiError as exc:
                 log.warning("cannot read a policy to finish its restarts", error=str(exc))
                 continue
