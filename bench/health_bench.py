@@ -22,17 +22,14 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchstats import percentile  # noqa: E402
+
 from edl_agent.sim import inject  # noqa: E402
 from edl_agent.sim.profile import load_profile  # noqa: E402
 from edl_agent.sim.tree import build_tree  # noqa: E402
 from tests.kubelet_standin import KubeletStandIn  # noqa: E402
 
 RESOURCE = "nvidia.com/gpu"
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 def main() -> int:

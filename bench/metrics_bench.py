@@ -22,6 +22,8 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchstats import percentile  # noqa: E402
+
 from edl_agent import log  # noqa: E402
 from edl_agent.config import load_settings  # noqa: E402
 from edl_agent.devices.discovery import discover_node  # noqa: E402
@@ -37,11 +39,6 @@ from tests.podresources_standin import PodResourcesStandIn  # noqa: E402
 
 RESOURCE = "nvidia.com/gpu"
 REPLICAS = 4  # time-slicing, so that several pods can hold one GPU
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 def main() -> int:

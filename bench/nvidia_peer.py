@@ -49,6 +49,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 import build_nvidia_plugin  # noqa: E402
+from benchstats import percentile  # noqa: E402
 
 from edl_agent._proto.deviceplugin.v1beta1 import api_pb2  # noqa: E402
 from edl_agent.sim import inject, nvidia_tree  # noqa: E402
@@ -66,11 +67,6 @@ GPUS_PER_REQUEST = 2
 
 def log(message: str) -> None:
     print(f"[nvidia-peer] {message}", file=sys.stderr, flush=True)
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 @dataclass

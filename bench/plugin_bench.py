@@ -22,6 +22,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchstats import percentile  # noqa: E402
+
 from edl_agent import log  # noqa: E402
 from edl_agent._proto.deviceplugin.v1beta1 import api_pb2  # noqa: E402
 from edl_agent.agent import Agent  # noqa: E402
@@ -32,11 +34,6 @@ from tests.kubelet_standin import KubeletStandIn  # noqa: E402
 
 RESOURCE = "nvidia.com/gpu"
 REPLICAS = 125  # 8 GPUs x 125 = 1,000 advertised ids
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 def main() -> int:

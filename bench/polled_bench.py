@@ -29,6 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+
 from edl_agent.sim import ascend_tree, hygon_tree, kunlunxin_tree  # noqa: E402
 from edl_agent.sim.profile import load_profile  # noqa: E402
 from edl_agent.sim.tree import build_tree  # noqa: E402
@@ -58,11 +59,6 @@ VENDORS: list[tuple[str, str, str, Callable[[Path, int], None], Callable[[Path, 
         lambda root, i: ascend_tree.set_npu_health(root, i, "OK"),
     ),
 ]
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 def main() -> int:

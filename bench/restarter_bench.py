@@ -42,6 +42,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO))
 
 import testcluster  # noqa: E402
+from benchstats import percentile  # noqa: E402
 
 NAMESPACE = "bench"
 GROUP, VERSION, PLURAL = "edl.io", "v1alpha1", "faulttolerancepolicies"
@@ -53,11 +54,6 @@ WORKERS_PER_JOB = 8
 
 def progress(message: str) -> None:
     print(f"restarter-bench: {message}", file=sys.stderr, flush=True)
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 def figure(name: str, value: float, unit: str) -> None:
