@@ -147,7 +147,7 @@ class KubeApi:
         """(type, object) for one Node until the server ends the watch. Needs only `watch` on
         nodes (the name is a field selector). A 410 (too old a version) raises ApiError(410).
         `opened` gets the connection: closing it from another thread ends the watch."""
-        return self._stream(
+        return watch_events(
             self._core.list_node,
             field_selector=f"metadata.name={name}",
             resource_version=resource_version,
@@ -169,7 +169,7 @@ class KubeApi:
     ) -> Iterator[tuple[str, dict[str, Any]]]:
         """(type, object) for the pods matching `field_selector` in every namespace, as
         `watch_node`; BOOKMARK events carry only `metadata.resourceVersion`."""
-        return self._stream(
+        return watch_events(
             self._core.list_pod_for_all_namespaces,
             field_selector=field_selector,
             resource_version=resource_version,
@@ -177,47 +177,51 @@ class KubeApi:
             opened=opened,
         )
 
-    def _stream(
-        self,
-        list_method: Any,
-        *,
-        field_selector: str,
-        resource_version: str | None,
-        timeout_seconds: int,
-        opened: Callable[[Closable], None] | None,
-    ) -> Iterator[tuple[str, dict[str, Any]]]:
-        try:
-            response = list_method(
-                field_selector=field_selector,
-                watch=True,
-                allow_watch_bookmarks=True,
-                resource_version=resource_version,
-                timeout_seconds=timeout_seconds,
-                _preload_content=False,
-                _request_timeout=(REQUEST_TIMEOUT[0], timeout_seconds + 30),
-            )
-        except ApiException as exc:
-            raise ApiError(exc.status, _message(exc)) from None
-        except (OSError, urllib3.exceptions.HTTPError) as exc:
-            raise ApiError(None, f"{type(exc).__name__}: {exc}") from None
-        if opened is not None:
-            opened(response)
-        try:
-            for line in response:
-                if not line.strip():
-                    continue
-                event = json.loads(line)
-                kind, body = str(event.get("type")), event.get("object") or {}
-                if kind == "ERROR":
-                    raise ApiError(body.get("code"), str(body.get("message", "watch error")))
-                yield kind, body
-        except (OSError, urllib3.exceptions.HTTPError) as exc:
-            raise ApiError(None, f"watch broke: {type(exc).__name__}: {exc}") from None
-        finally:
-            response.release_conn()
-
     def _call(self, method: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         return call_json(method, *args, **kwargs)
+
+
+def watch_events(
+    list_method: Any,
+    *,
+    resource_version: str | None,
+    timeout_seconds: int,
+    opened: Callable[[Closable], None] | None = None,
+    **params: Any,
+) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(type, object) from a watch through a kubernetes client list method (`params`: its
+    namespace-free arguments such as field_selector) until the server ends it; ApiError on a
+    failure, ApiError(410) when the version is too old. `opened` gets the connection: closing
+    it from another thread ends the watch."""
+    try:
+        response = list_method(
+            watch=True,
+            allow_watch_bookmarks=True,
+            resource_version=resource_version,
+            timeout_seconds=timeout_seconds,
+            _preload_content=False,
+            _request_timeout=(REQUEST_TIMEOUT[0], timeout_seconds + 30),
+            **params,
+        )
+    except ApiException as exc:
+        raise ApiError(exc.status, _message(exc)) from None
+    except (OSError, urllib3.exceptions.HTTPError) as exc:
+        raise ApiError(None, f"{type(exc).__name__}: {exc}") from None
+    if opened is not None:
+        opened(response)
+    try:
+        for line in response:
+            if not line.strip():
+                continue
+            event = json.loads(line)
+            kind, body = str(event.get("type")), event.get("object") or {}
+            if kind == "ERROR":
+                raise ApiError(body.get("code"), str(body.get("message", "watch error")))
+            yield kind, body
+    except (OSError, urllib3.exceptions.HTTPError) as exc:
+        raise ApiError(None, f"watch broke: {type(exc).__name__}: {exc}") from None
+    finally:
+        response.release_conn()
 
 
 def call_json(method: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:

@@ -20,22 +20,20 @@ faults.
 from __future__ import annotations
 
 import functools
-import json
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
 import structlog
-import urllib3
 from kubernetes import client
-from kubernetes.client.exceptions import ApiException
 
 from edl_agent.faults.ids import container_exit_id
 from edl_agent.faults.model import Fault, FaultKind, PodRef
-from edl_agent.kube import GONE, REQUEST_TIMEOUT
+from edl_agent.kube import call_json, watch_events
+from edl_agent.kube_watch import WatchLoop
 
 log = structlog.get_logger(__name__)
 
@@ -49,12 +47,6 @@ KEEP_IDS = 100_000
 Lister = Callable[..., Any]
 
 
-class WatchFailed(Exception):
-    def __init__(self, status: int | None, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
 def parse_k8s_time(text: str | None) -> datetime | None:
     if not text:
         return None
@@ -64,11 +56,14 @@ def parse_k8s_time(text: str | None) -> datetime | None:
         return None
 
 
-class ListWatch:
-    """List, then watch from the list's resourceVersion, forever (until `stop`).
+class ListWatch(WatchLoop):
+    """List, then watch from the list's resourceVersion, forever (until `stop`): a `WatchLoop`
+    whose retries back off from 1 s, doubling, to 30 s, and which lists again after a 410.
 
     `list_call(**kwargs)` is a kubernetes client list method bound to its namespace (or cluster
     wide); `on_list(items)` gets every full list, `on_event(type, object)` each watch event."""
+
+    restart_after_crash = True
 
     def __init__(
         self,
@@ -78,101 +73,33 @@ class ListWatch:
         on_list: Callable[[list[dict[str, Any]]], None],
         on_event: Callable[[str, dict[str, Any]], None],
     ) -> None:
-        self.name = name
-        self._list = list_call
+        self.name = f"watch-{name}"
+        super().__init__(log_context={})
+        self._list_call = list_call
         self._on_list = on_list
         self._on_event = on_event
-        self._stopping = threading.Event()
-        self._response: Any = None
-        self._thread = threading.Thread(target=self._run, name=f"watch-{name}", daemon=True)
         self.synced = threading.Event()
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stopping.set()
-        response = self._response
-        if response is not None:
-            # urllib3 >= 2.3 unblocks the reading thread; close() would wait for its read.
-            (getattr(response, "shutdown", None) or response.close)()
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        delay = 1.0
-        version: str | None = None
-        while not self._stopping.is_set():
-            try:
-                if version is None:
-                    version = self._relist()
-                for kind, obj in self._watch(version):
-                    if kind == "BOOKMARK":
-                        version = obj.get("metadata", {}).get("resourceVersion") or version
-                        continue
-                    version = obj.get("metadata", {}).get("resourceVersion") or version
-                    self._on_event(kind, obj)
-                delay = 1.0  # the server ended the watch normally
-            except WatchFailed as exc:
-                if self._stopping.is_set():
-                    return
-                if exc.status == GONE:
-                    log.info("watch expired; listing again", watch=self.name)
-                    version = None
-                    continue
-                log.warning("watch failed; retrying", watch=self.name, error=str(exc), delay=delay)
-                self._stopping.wait(delay)
-                delay = min(delay * 2, MAX_RETRY_DELAY)
-            except Exception:
-                if self._stopping.is_set():
-                    return
-                log.exception("watch handler failed; listing again", watch=self.name)
-                version = None
-                self._stopping.wait(delay)
-                delay = min(delay * 2, MAX_RETRY_DELAY)
-
-    def _relist(self) -> str:
-        try:
-            response = self._list(_preload_content=False, _request_timeout=REQUEST_TIMEOUT)
-            data = json.loads(response.data)
-        except ApiException as exc:
-            raise WatchFailed(exc.status, f"list: HTTP {exc.status}: {exc.reason}") from None
-        except (OSError, ValueError, urllib3.exceptions.HTTPError) as exc:
-            raise WatchFailed(None, f"list: {type(exc).__name__}: {exc}") from None
+    def _list(self) -> str | None:
+        data = call_json(self._list_call)
         self._on_list(list(data.get("items") or []))
         self.synced.set()
-        return str(data.get("metadata", {}).get("resourceVersion", ""))
+        return str((data.get("metadata") or {}).get("resourceVersion") or "") or None
 
-    def _watch(self, version: str) -> Iterator[tuple[str, dict[str, Any]]]:
-        try:
-            response = self._list(
-                watch=True,
-                allow_watch_bookmarks=True,
-                resource_version=version,
-                timeout_seconds=WATCH_TIMEOUT,
-                _preload_content=False,
-                _request_timeout=(REQUEST_TIMEOUT[0], WATCH_TIMEOUT + 30),
-            )
-        except ApiException as exc:
-            raise WatchFailed(exc.status, f"watch: HTTP {exc.status}: {exc.reason}") from None
-        except (OSError, urllib3.exceptions.HTTPError) as exc:
-            raise WatchFailed(None, f"watch: {type(exc).__name__}: {exc}") from None
-        self._response = response
-        try:
-            for line in response:
-                if self._stopping.is_set():
-                    return
-                if not line.strip():
-                    continue
-                event = json.loads(line)
-                kind, body = str(event.get("type")), event.get("object") or {}
-                if kind == "ERROR":
-                    raise WatchFailed(body.get("code"), str(body.get("message", "watch error")))
-                yield kind, body
-        except (OSError, ValueError, urllib3.exceptions.HTTPError) as exc:
-            raise WatchFailed(None, f"watch broke: {type(exc).__name__}: {exc}") from None
-        finally:
-            self._response = None
-            response.release_conn()
+    def _watch(self, version: str | None) -> str | None:
+        for kind, obj in watch_events(
+            self._list_call,
+            resource_version=version,
+            timeout_seconds=WATCH_TIMEOUT,
+            opened=self._opened,
+        ):
+            version = (obj.get("metadata") or {}).get("resourceVersion") or version
+            if kind != "BOOKMARK":
+                self._on_event(kind, obj)
+        return version
+
+    def _retry_delay(self, failures_in_row: int) -> float:
+        return min(2.0 ** (failures_in_row - 1), MAX_RETRY_DELAY)
 
 
 def pod_ref(pod: Mapping[str, Any]) -> PodRef:
