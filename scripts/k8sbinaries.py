@@ -1,4 +1,5 @@
-"""Provide pinned etcd, kube-apiserver, kube-scheduler, kubectl and kwok binaries for tests.
+"""Provide pinned etcd, kube-apiserver, kube-scheduler, kubectl, kubelet and kwok binaries, and
+our fake container runtime, for tests.
 
 Resolution order for every binary:
 
@@ -10,7 +11,8 @@ Resolution order for every binary:
    inspection). Go's own caches (GOMODCACHE, GOCACHE) are used as configured, so a rebuild
    after a version bump only compiles what changed.
 
-Measured on 2 cores with cold Go caches: kube-apiserver ~260 s, etcd ~90 s, kwok ~135 s.
+Measured on 2 cores with cold Go caches: etcd ~70 s, kube-apiserver ~260 s, then (sharing its
+compiled packages) kube-scheduler, kubectl and kubelet about a minute or two each, kwok ~135 s.
 
 Standard library only, so ``scripts/k8s-binaries`` runs with any Python >= 3.11.
 """
@@ -21,6 +23,7 @@ import argparse
 import contextlib
 import fcntl
 import functools
+import hashlib
 import json
 import os
 import shutil
@@ -32,22 +35,18 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-K8S_VERSION = "v1.32.13"
-# The etcd release that kubernetes v1.32 ships with (kubeadm's etcd image 3.5.16-0).
+K8S_VERSION = "v1.36.3"
+# etcd v3.5.16 serves a v1.36 kube-apiserver (checked); kubeadm ships a 3.6 etcd with 1.36.
 ETCD_VERSION = "v3.5.16"
 KWOK_VERSION = "v0.8.0"
 
-# kube-scheduler binds the pods of end-to-end tests; kubectl applies deploy/daemonset (-k).
-KUBERNETES_COMMANDS = ("kube-apiserver", "kube-scheduler", "kubectl")
-BINARIES = ("etcd", *KUBERNETES_COMMANDS, "kwok")
-PINS = {"etcd": ETCD_VERSION, "kwok": KWOK_VERSION} | dict.fromkeys(
-    KUBERNETES_COMMANDS, K8S_VERSION
-)
-# Kubernetes publishes its staging modules (k8s.io/api, ...) as v0.X.Y for kubernetes v1.X.Y.
-# k8s.io/kube-scheduler and k8s.io/csi-translation-lib v0.32.13 are not on the module proxy
-# (403 "not available"), and later patch releases miss a module or its checksum there; v1.32.5
-# has them all. A scheduler some patch releases behind the API server is within the supported skew.
-PINS["kube-scheduler"] = "v1.32.5"
+# kube-scheduler binds the pods of end-to-end tests; kubectl applies deploy/daemonset (-k);
+# kubelet runs the real nodes of scripts/test-node.
+KUBERNETES_COMMANDS = ("kube-apiserver", "kube-scheduler", "kubectl", "kubelet")
+FAKE_CRI = "edl-fake-cri"
+BINARIES = ("etcd", *KUBERNETES_COMMANDS, "kwok", FAKE_CRI)
+# What scripts/testcluster.py starts; the others are checked by the tests that use them.
+CONTROL_PLANE = ("etcd", "kube-apiserver", "kwok")
 
 # Stages copied out of the kwok module (never committed): path under kustomize/stage/.
 KWOK_STAGES = (
@@ -62,6 +61,24 @@ KWOK_STAGES = (
 STAGES_FILE = "kwok-stages.yaml"
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# Our fake container runtime for kubelet nodes (scripts/testnode.py), a Go module in the repo.
+FAKE_CRI_SOURCE = REPO_ROOT / "scripts" / "fakecri"
+
+
+def _source_version(directory: Path) -> str:
+    """A version for a binary built from our own sources: a hash of them, so edits rebuild it."""
+    digest = hashlib.sha256()
+    for path in sorted(directory.glob("*")):
+        if path.is_file() and (path.suffix == ".go" or path.name in ("go.mod", "go.sum")):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return "src-" + digest.hexdigest()[:16]
+
+
+PINS = {
+    "etcd": ETCD_VERSION,
+    "kwok": KWOK_VERSION,
+    FAKE_CRI: _source_version(FAKE_CRI_SOURCE),
+} | dict.fromkeys(KUBERNETES_COMMANDS, K8S_VERSION)
 GO_PROXY_DEFAULT = "https://proxy.golang.org"
 
 
@@ -120,10 +137,10 @@ def stages_file() -> Path | None:
     return None
 
 
-def missing() -> list[str]:
-    """Names of required artefacts that are not available yet."""
-    absent = [name for name in BINARIES if find(name) is None]
-    if stages_file() is None:
+def missing(names: tuple[str, ...] = BINARIES) -> list[str]:
+    """Which of ``names`` (and kwok's stages, when kwok is among them) are not available yet."""
+    absent = [name for name in names if find(name) is None]
+    if "kwok" in names and stages_file() is None:
         absent.append(STAGES_FILE)
     return absent
 
@@ -391,9 +408,29 @@ def copy_kwok_stages() -> Path:
     return target
 
 
+def build_fake_cri() -> Path:
+    """scripts/fakecri: kubelet's container runtime in tests (k8s.io/cri-client's fake, logging
+    every CreateContainer and making containers exit on request)."""
+    go = _go()
+    work = _scratch(FAKE_CRI, "src")
+    logfile = work / "build.log"
+    logfile.write_text("")
+    what = f"the fake container runtime ({FAKE_CRI_SOURCE})"
+    log(f"building {what} (about 1 min with cold Go caches; log {logfile})")
+    with heartbeat(what):
+        run_logged(
+            [go, "build", "-trimpath", "-ldflags", "-s -w", "-o", str(work / FAKE_CRI), "."],
+            cwd=FAKE_CRI_SOURCE,
+            logfile=logfile,
+            what=what,
+        )
+    return _install(work / FAKE_CRI, FAKE_CRI)
+
+
 BUILDERS: dict[str, Callable[[], Path]] = {
     "etcd": build_etcd,
     "kwok": build_kwok,
+    FAKE_CRI: build_fake_cri,
 } | {name: functools.partial(build_kubernetes_command, name) for name in KUBERNETES_COMMANDS}
 
 
@@ -438,9 +475,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="scripts/k8s-binaries",
         description=(
-            f"Provide etcd {ETCD_VERSION}, kube-apiserver, kube-scheduler and kubectl "
-            f"{K8S_VERSION} and kwok {KWOK_VERSION} (plus kwok's stage files) for the test "
-            f"control plane in {bin_dir()} (override with EDL_K8S_BIN_DIR; etcd, kube-apiserver "
+            f"Provide etcd {ETCD_VERSION}, kube-apiserver, kube-scheduler, kubectl and kubelet "
+            f"{K8S_VERSION}, kwok {KWOK_VERSION} (plus kwok's stage files) and our fake "
+            f"container runtime (scripts/fakecri) for the test control plane and kubelet nodes "
+            f"in {bin_dir()} (override with EDL_K8S_BIN_DIR; etcd, kube-apiserver "
             "and kubectl are also taken from $KUBEBUILDER_ASSETS). Missing ones are built from "
             "the Go module proxy; the first build of all takes about 10 minutes on 2 cores."
         ),

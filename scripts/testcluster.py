@@ -378,7 +378,7 @@ def start(directory: Path, *, attached: bool = True, timeout: float = 60.0) -> C
     """
     began = time.monotonic()
     directory = directory.resolve()
-    binaries = {name: _binary(name) for name in k8sbinaries.BINARIES}
+    binaries = {name: _binary(name) for name in k8sbinaries.CONTROL_PLANE}
     _stages()
     state = _read_state(directory)
     if state is not None:

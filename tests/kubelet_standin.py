@@ -1,6 +1,13 @@
-"""A kubelet stand-in for tests: the Registration server on kubelet.sock, kubelet's restart
-behaviour (delete every socket in the directory, then a new kubelet.sock), and a client for the
-plugins that registered — all over real unix sockets."""
+"""A kubelet stand-in: the Registration server on kubelet.sock, kubelet's restart behaviour
+(delete every socket in the directory, then a new kubelet.sock), and a client for the plugins
+that registered — all over real unix sockets.
+
+The kubelet contract itself is proven against a real kubelet v1.36 (tests/cluster, marker
+`kubelet`). This stand-in stays for the tests that must run without root or a control plane
+(`-m "not cluster"`) and for the ones that need a kubelet that misbehaves on purpose: one that
+sends ids it never got (Allocate of unknown or unhealthy ids, GetPreferredAllocation with
+unreadable topology), that reads ListAndWatch on a second stream, or that vanishes mid-call.
+The benchmarks use it to time the plugin alone, without kubelet's own latency."""
 
 from __future__ import annotations
 

@@ -1,5 +1,9 @@
 """A stand-in for kubelet's pod-resources server: `v1.PodResourcesLister` on a real unix socket,
-answering `List` with whatever assignments the test sets (or failing, when told to)."""
+answering `List` with whatever assignments the test sets (or failing, when told to).
+
+Attribution through the real pod-resources API is proven against a real kubelet (tests/cluster,
+marker `kubelet`). This stand-in stays for tests without root or a control plane and for a
+kubelet that misbehaves on purpose: one that fails List, or lists devices no pod could hold."""
 
 from __future__ import annotations
 

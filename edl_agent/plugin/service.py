@@ -88,6 +88,12 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
             )
             if choice.fallback_reason is not None:
                 self._log.warning("preferred allocation fell back", reason=choice.fallback_reason)
+            self._log.info(
+                "preferred allocation",
+                ids=list(choice.ids),
+                available=len(request_one.available_deviceIDs),
+                must_include=list(request_one.must_include_deviceIDs),
+            )
             responses.append(api_pb2.ContainerPreferredAllocationResponse(deviceIDs=choice.ids))
         return api_pb2.PreferredAllocationResponse(container_responses=responses)
 

@@ -9,14 +9,18 @@ Fixtures:
   k8s_control_plane  session: the running control plane (testcluster.ControlPlane)
   k8s_api_client     session: kubernetes.client.ApiClient with admin credentials
   k8s                function: KwokCluster helper bound to a fresh namespace, cleaned after
+  kubelet_nodes      function: starts real kubelet nodes (scripts/testnode.py) on the session's
+                     control plane, stopped and removed after the test; marker ``kubelet``
 """
 
 from __future__ import annotations
 
 import re
 import secrets
+import shutil
 import sys
-from collections.abc import Iterator
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -32,6 +36,7 @@ for _path in (SCRIPTS, HERE):
 
 import k8sbinaries  # noqa: E402
 import testcluster  # noqa: E402
+import testnode  # noqa: E402
 from k8s_test_helpers import KwokCluster  # noqa: E402
 
 _startup: dict[str, float] = {}
@@ -55,7 +60,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 @pytest.fixture(scope="session")
 def k8s_binaries() -> Path:
     """The bin dir; fails (never skips) with instructions when binaries are missing."""
-    absent = k8sbinaries.missing()
+    absent = k8sbinaries.missing(k8sbinaries.CONTROL_PLANE)
     if absent:
         pytest.fail(
             f"cluster tests need {', '.join(absent)} in {k8sbinaries.bin_dir()} (or etcd and "
@@ -105,3 +110,50 @@ def k8s(k8s_api_client: client.ApiClient, request: pytest.FixtureRequest) -> Ite
     cluster = KwokCluster(k8s_api_client, namespace)
     yield cluster
     cluster.cleanup()
+
+
+StartNode = Callable[..., testnode.Node]
+
+
+@pytest.fixture
+def kubelet_nodes(k8s_control_plane: testcluster.ControlPlane) -> Iterator[StartNode]:
+    """``start(name=None)`` starts one more real kubelet node (Ready, untainted) on the session's
+    control plane. Each lives in a short directory under /tmp (its sockets must fit 107 bytes)
+    that is removed afterwards with the node's processes, mounts and Node object. Fails, never
+    skips, where kubelet nodes cannot run (not root, no unshare, no overlayfs)."""
+    problem = testnode.preflight()
+    if problem is not None:
+        pytest.fail(problem, pytrace=False)
+    absent = k8sbinaries.missing(("kubelet", k8sbinaries.FAKE_CRI))
+    if absent:
+        pytest.fail(
+            f"{', '.join(absent)} missing in {k8sbinaries.bin_dir()}: run scripts/k8s-binaries",
+            pytrace=False,
+        )
+    roots: list[Path] = []
+    nodes: list[testnode.Node] = []
+
+    def start(name: str | None = None) -> testnode.Node:
+        root = Path(tempfile.mkdtemp(prefix="edl-kn-", dir="/tmp"))
+        roots.append(root)
+        try:
+            node = testnode.start_node(
+                root,
+                name or f"kn-{secrets.token_hex(3)}",
+                server=k8s_control_plane.server,
+                admin_token=k8s_control_plane.token,
+                ca_file=k8s_control_plane.ca_file,
+                ca_key=k8s_control_plane.ca_file.with_name("ca.key"),
+                attached=True,
+            )
+        except testnode.NodeError as exc:
+            pytest.fail(f"could not start a kubelet node: {exc}", pytrace=False)
+        nodes.append(node)
+        return node
+
+    yield start
+    for node in reversed(nodes):
+        node.stop()
+        assert not node.kubelet_alive(), f"kubelet of {node.name} survived its stop"
+    for root in roots:
+        shutil.rmtree(root, ignore_errors=True)

@@ -1,18 +1,21 @@
-"""The whole agent on a simulated dgx-h100 whose Node is a KWOK node: labels, the condition and
-events follow injected faults, and the cordon annotation reaches kubelet's ListAndWatch — all
-written with the agent's pod-bound service-account token under deploy/daemonset's RBAC."""
+"""The whole agent on a simulated dgx-h100 serving a real kubelet node: labels, the condition and
+events follow injected faults, and the cordon annotation reaches kubelet (the device turns
+Unhealthy in ListAndWatch, so kubelet's allocatable drops) — all written with the agent's
+pod-bound service-account token under deploy/daemonset's RBAC."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from k8s_test_helpers import wait_for
+import testnode
+from k8s_test_helpers import KwokCluster, wait_for
+from kubelet_helpers import extended
 from test_node_labels import Agent as NodeAgent
-from test_node_labels import agent  # noqa: F401 - the fixture, reused
+from test_node_labels import agent_view
 
 from edl_agent.agent import Agent
 from edl_agent.config import load_settings
@@ -21,26 +24,33 @@ from edl_agent.labels.cordon import CORDONED_DEVICES
 from edl_agent.sim import inject
 from edl_agent.sim.profile import load_profile
 from edl_agent.sim.tree import build_tree
-from tests.kubelet_standin import KubeletStandIn
 
 MERGE = "application/merge-patch+json"
+GPU = "nvidia.com/gpu"
+pytestmark = pytest.mark.kubelet
 
 
 @pytest.fixture
 def running(
-    agent: NodeAgent,  # noqa: F811 - the fixture imported above
-    tmp_path: Path,
-) -> Iterator[tuple[Agent, NodeAgent, Path, KubeletStandIn]]:
+    k8s: KwokCluster, kubelet_nodes: Callable[..., testnode.Node], tmp_path: Path
+) -> Iterator[tuple[Agent, NodeAgent, Path]]:
+    kubelet = kubelet_nodes()
+    with agent_view(k8s, kubelet.name) as agent:
+        yield from _run_agent(agent, kubelet, tmp_path)
+
+
+def _run_agent(
+    agent: NodeAgent, kubelet: testnode.Node, tmp_path: Path
+) -> Iterator[tuple[Agent, NodeAgent, Path]]:
     tree = tmp_path / "node"
     build_tree(load_profile("dgx-h100"), tree)
-    kubelet = KubeletStandIn(tmp_path / "kubelet")
-    kubelet.start()
     settings = load_settings(
         overrides={
             "host_root": str(tree),
             "node_name": agent.node,
             "metrics_addr": "",
-            "plugin": {"kubelet_dir": str(kubelet.directory)},
+            "plugin": {"kubelet_dir": str(kubelet.paths.device_plugins)},
+            "pod_resources_socket": str(kubelet.paths.pod_resources),
         }
     )
     node_agent = Agent(settings)
@@ -48,12 +58,15 @@ def running(
     thread = threading.Thread(target=node_agent.run)
     thread.start()
     try:
-        kubelet.wait_registered({"nvidia.com/gpu"})
-        yield node_agent, agent, tree, kubelet
+        wait_for("8 GPUs allocatable", agent.read, lambda n: allocatable(n) == 8, timeout=60)
+        yield node_agent, agent, tree
     finally:
         node_agent.stop.set()
         thread.join(timeout=20)
-        kubelet.stop()
+
+
+def allocatable(node: Any) -> int | None:
+    return extended(node.status.allocatable).get(GPU)
 
 
 def labels_of(node: Any) -> dict[str, str]:
@@ -69,10 +82,8 @@ def condition_of(node: Any) -> Any:
     return next((c for c in node.status.conditions or [] if c.type == CONDITION_TYPE), None)
 
 
-def test_labels_condition_events_and_cordon(
-    running: tuple[Agent, NodeAgent, Path, KubeletStandIn],
-) -> None:
-    node_agent, view, tree, kubelet = running
+def test_labels_condition_events_and_cordon(running: tuple[Agent, NodeAgent, Path]) -> None:
+    node_agent, view, tree = running
     ids = list(node_agent.state.snapshot().resources["nvidia.com/gpu"].device_ids)
 
     node = wait_for("labels", view.read, lambda n: labels_of(n).get("nvidia.com/gpu.count") == "8")
@@ -85,6 +96,7 @@ def test_labels_condition_events_and_cordon(
     assert condition_of(node).reason == "XID79"
     assert ids[3] in condition_of(node).message
     wait_for("healthy count", view.read, lambda n: labels_of(n)["edl.io/nvidia.healthy"] == "7")
+    wait_for("kubelet: 7 allocatable", view.read, lambda n: allocatable(n) == 7)
     warnings = wait_for(
         "a Warning event",
         view.events,
@@ -102,11 +114,7 @@ def test_labels_condition_events_and_cordon(
         node_agent.state.snapshot,
         lambda snapshot: snapshot.is_unhealthy(ids[2]),
     )
-    watch = kubelet.watch("nvidia.com/gpu")
-    listed = {d.ID: d.health for d in watch.next().devices}
-    watch.cancel()
-    assert listed[ids[2]] == "Unhealthy"
-    assert listed[ids[0]] == "Healthy"
+    wait_for("kubelet: 6 allocatable", view.read, lambda n: allocatable(n) == 6)
     wait_for("healthy count", view.read, lambda n: labels_of(n)["edl.io/nvidia.healthy"] == "6")
     view.admin.core.patch_node(
         view.node, {"metadata": {"annotations": {CORDONED_DEVICES: None}}}, _content_type=MERGE
@@ -116,3 +124,4 @@ def test_labels_condition_events_and_cordon(
         node_agent.state.snapshot,
         lambda snapshot: not snapshot.is_unhealthy(ids[2]),
     )
+    wait_for("kubelet: 7 allocatable again", view.read, lambda n: allocatable(n) == 7)

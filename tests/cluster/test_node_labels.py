@@ -4,6 +4,7 @@ admission policy of deploy/daemonset/agent-rbac.yaml, never with the admin crede
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import threading
@@ -164,8 +165,15 @@ def status_of(exc: ApiException | ApiError) -> tuple[int | None, str]:
 
 @pytest.fixture
 def agent(k8s: KwokCluster) -> Iterator[Agent]:
-    undo = install_manifest(k8s)
     node = k8s.create_gpu_node(labels={"team": "ml"}).metadata.name
+    with agent_view(k8s, node) as view:
+        yield view
+
+
+@contextlib.contextmanager
+def agent_view(k8s: KwokCluster, node: str) -> Iterator[Agent]:
+    """The agent's RBAC installed, and its view of `node` with a token bound to a pod there."""
+    undo = install_manifest(k8s)
     other = k8s.create_gpu_node(wait_ready=False).metadata.name
     api = sa_client(k8s.api, pod_bound_token(k8s, node))
     core = client.CoreV1Api(api)
@@ -182,12 +190,14 @@ def agent(k8s: KwokCluster) -> Iterator[Agent]:
     wait_for("the admission policy to apply", policy_denies_other_node, bool, timeout=30)
     kube = KubeApi(api)
     updater = NodeUpdater(api=kube, node_name=node, settings=NodeSettings())
-    yield Agent(node, kube, core, updater, k8s)
-    kube.close()
-    selector = f"involvedObject.name={node}"
-    k8s.core.delete_collection_namespaced_event("default", field_selector=selector)
-    for action in undo:
-        action()
+    try:
+        yield Agent(node, kube, core, updater, k8s)
+    finally:
+        kube.close()
+        selector = f"involvedObject.name={node}"
+        k8s.core.delete_collection_namespaced_event("default", field_selector=selector)
+        for action in undo:
+            action()
 
 
 def health_of(sim: Simulated, unhealthy: dict[str, Condition] | None = None) -> Any:
