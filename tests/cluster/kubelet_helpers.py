@@ -213,7 +213,7 @@ def pod_resources(node: testnode.Node) -> Iterator[api_pb2_grpc.PodResourcesList
 
 
 def pod_devices(node: testnode.Node, namespace: str, pod: str) -> dict[str, dict[str, list[str]]]:
-    """container → resource → device ids, as kubelet's pod-resources API lists them."""
+    """container → resource → device ids (sorted), as kubelet's pod-resources API lists them."""
     with pod_resources(node) as lister:
         listed = lister.List(api_pb2.ListPodResourcesRequest(), timeout=10)
     found: dict[str, dict[str, list[str]]] = {}
@@ -224,6 +224,9 @@ def pod_devices(node: testnode.Node, namespace: str, pod: str) -> dict[str, dict
             per = found.setdefault(container.name, {})
             for devices in container.devices:
                 per.setdefault(devices.resource_name, []).extend(devices.device_ids)
+    for per in found.values():  # kubelet keeps them in a set: no order to rely on
+        for ids in per.values():
+            ids.sort()
     return found
 
 
