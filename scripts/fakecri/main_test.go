@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -113,6 +114,7 @@ func (h *harness) createAndStart(sandboxID string, sandbox *runtimeapi.PodSandbo
 		Config: &runtimeapi.ContainerConfig{
 			Metadata: &runtimeapi.ContainerMetadata{Name: "main", Attempt: attempt},
 			Image:    &runtimeapi.ImageSpec{Image: "registry.local/app:1"},
+			LogPath:  fmt.Sprintf("main/%d.log", attempt),
 			Envs: []*runtimeapi.KeyValue{
 				{Key: "EDL_VISIBLE_DEVICES", Value: []byte("0,1")},
 				{Key: "EMPTY", Value: nil},
@@ -195,8 +197,9 @@ func TestKubeletStartup(t *testing.T) {
 func TestExitOnDemand(t *testing.T) {
 	h := newHarness(t)
 	sandboxConfig := &runtimeapi.PodSandboxConfig{
-		Metadata: &runtimeapi.PodSandboxMetadata{Name: "web", Namespace: "ns", Uid: "uid-1"},
-		Labels:   map[string]string{"io.kubernetes.pod.uid": "uid-1"},
+		Metadata:     &runtimeapi.PodSandboxMetadata{Name: "web", Namespace: "ns", Uid: "uid-1"},
+		Labels:       map[string]string{"io.kubernetes.pod.uid": "uid-1"},
+		LogDirectory: "/var/log/pods/ns_web_uid-1",
 	}
 	sandbox, err := h.rt.RunPodSandbox(h.ctx, &runtimeapi.RunPodSandboxRequest{Config: sandboxConfig})
 	h.must(err)
@@ -210,6 +213,9 @@ func TestExitOnDemand(t *testing.T) {
 	running := h.status(first)
 	if running.State != runtimeapi.ContainerState_CONTAINER_RUNNING || running.StartedAt == 0 {
 		t.Fatalf("after StartContainer: %v", running)
+	}
+	if running.LogPath != "/var/log/pods/ns_web_uid-1/main/0.log" {
+		t.Errorf("log path %q", running.LogPath)
 	}
 
 	code, answer := h.exit("main", 137)
@@ -353,8 +359,12 @@ func TestStopAndRemoveAreIdempotent(t *testing.T) {
 	id := h.createAndStart(sandbox.PodSandboxId, sandboxConfig, 0)
 	_, err = h.rt.StopContainer(h.ctx, &runtimeapi.StopContainerRequest{ContainerId: id, Timeout: 30})
 	h.must(err)
-	if s := h.status(id); s.State != runtimeapi.ContainerState_CONTAINER_EXITED || s.FinishedAt == 0 {
+	if s := h.status(id); s.State != runtimeapi.ContainerState_CONTAINER_EXITED || s.FinishedAt == 0 || s.Reason != "Completed" {
 		t.Errorf("after StopContainer: %v", s)
+	}
+	// Kubelet deletes "<log path>*" when it removes a container: never an empty or relative path.
+	if path := h.status(id).LogPath; !strings.HasPrefix(path, "/nonexistent/") {
+		t.Errorf("log path %q without a log directory", path)
 	}
 
 	other := h.createAndStart(sandbox.PodSandboxId, sandboxConfig, 1)

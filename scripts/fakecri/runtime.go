@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"path/filepath"
 	"sync"
 	"time"
 
@@ -204,11 +205,28 @@ func (r *runtime) CreateContainer(ctx context.Context, req *runtimeapi.CreateCon
 		entry.Error = err.Error()
 	} else {
 		entry.ContainerID = resp.ContainerId
+		r.RuntimeService.Lock()
+		if c, ok := r.RuntimeService.Containers[resp.ContainerId]; ok {
+			c.LogPath = containerLogPath(req)
+		}
+		r.RuntimeService.Unlock()
 	}
 	if logErr := r.writeLog(entry); logErr != nil && err == nil {
 		return nil, status.Errorf(codes.Internal, "writing the CreateContainer log: %v", logErr)
 	}
 	return resp, err
+}
+
+// containerLogPath is where kubelet expects the container's log. The fake leaves it empty, and
+// when kubelet removes a container it deletes the files matching "<log path>*", relative to its
+// working directory for an empty or relative path. The file is never created: the runtime may
+// not share kubelet's view of /var/log.
+func containerLogPath(req *runtimeapi.CreateContainerRequest) string {
+	dir, name := req.GetSandboxConfig().GetLogDirectory(), req.GetConfig().GetLogPath()
+	if path := filepath.Join(dir, name); dir != "" && name != "" && filepath.IsAbs(path) {
+		return path
+	}
+	return filepath.Join("/nonexistent/edl-fake-cri", req.GetPodSandboxId(), req.GetConfig().GetMetadata().GetName()+".log")
 }
 
 func newLogEntry(req *runtimeapi.CreateContainerRequest) logEntry {
