@@ -102,6 +102,13 @@ class NodeAgent:
         result = spawn_discover(self.tree, self.directory / "profile-config.yaml")
         return {r["name"]: len(r["devices"]) for r in result["resources"]}
 
+    def devices(self) -> list[dict[str, Any]]:
+        """The devices `edl-agent discover` finds on this node (id, index, numa_node, ...)."""
+        found: list[dict[str, Any]] = spawn_discover(
+            self.tree, self.directory / "profile-config.yaml"
+        )["devices"]
+        return found
+
     def metrics(self) -> str:
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=5) as answer:

@@ -57,7 +57,6 @@ from kubelet_helpers import (
     node_agent,
     pod_devices,
     resource_health,
-    spawn_discover,
 )
 from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
@@ -700,8 +699,7 @@ def xid_phase(scene: Scene, timeline: Timeline, pod: str, node: str, other: str)
     ns = scene.k8s.namespace
     agent = scene.agents[node]
     [gpu] = pod_devices(scene.nodes[node], ns, pod)["trainer"][GPU_RESOURCE]
-    devices = spawn_discover(agent.tree, agent.directory / "profile-config.yaml")["devices"]
-    index = next(d["index"] for d in devices if d["id"] == gpu)
+    index = next(d["index"] for d in agent.devices() if d["id"] == gpu)
     injected = f"XID {XID} injected"
     with ThreadPoolExecutor(max_workers=1) as pool:
         timeline.t0 = time.time()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import testnode
@@ -28,7 +27,6 @@ from kubelet_helpers import (
     node_agent,
     pod_devices,
     resource_health,
-    spawn_discover,
     wait_phase,
     wait_until,
 )
@@ -130,15 +128,8 @@ def test_two_gpus_go_to_the_container_kubelet_lists_and_are_a_close_pair(
     # Kubelet asked for a preference and took it: the pair is on one NUMA node.
     [preferred] = agent.entries("preferred allocation")
     assert sorted(preferred["ids"]) == sorted(visible)
-    numa = {d["id"]: d["numa_node"] for d in discovered_devices(agent)}
+    numa = {d["id"]: d["numa_node"] for d in agent.devices()}
     assert numa[visible[0]] == numa[visible[1]], (visible, numa)
-
-
-def discovered_devices(agent: NodeAgent) -> list[dict[str, Any]]:
-    devices: list[dict[str, Any]] = spawn_discover(
-        agent.tree, agent.directory / "profile-config.yaml"
-    )["devices"]
-    return devices
 
 
 def test_cgpu_memory_and_core_units_come_from_one_physical_gpu(
@@ -183,7 +174,7 @@ def test_xid_on_a_held_gpu_reaches_the_pod_status_allocatable_faults_and_metrics
     k8s.core.create_namespaced_pod(ns, gpu_pod(name, node.name, {GPU: "1"}))
     wait_phase(k8s.core, ns, name, "Running", timeout=STEP)
     [held] = pod_devices(node, ns, name)["main"][GPU]
-    index = next(d["index"] for d in discovered_devices(agent) if d["id"] == held)
+    index = next(d["index"] for d in agent.devices() if d["id"] == held)
     pod = wait_until(
         "allocatedResourcesStatus Healthy",
         lambda: k8s.read_pod(name),
@@ -248,7 +239,7 @@ def test_more_than_is_healthy_fails_admission(
     k8s.core.create_namespaced_pod(ns, gpu_pod("seven", node.name, {GPU: "7"}))
     wait_phase(k8s.core, ns, "seven", "Running", timeout=STEP)
     [created] = created_containers(node, ns, "seven")
-    unhealthy = next(d["id"] for d in discovered_devices(agent) if d["index"] == 6)
+    unhealthy = next(d["id"] for d in agent.devices() if d["index"] == 6)
     assert unhealthy not in created["envs"]["NVIDIA_VISIBLE_DEVICES"].split(",")
 
 
