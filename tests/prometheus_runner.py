@@ -23,7 +23,7 @@ def need(tool: str) -> str:
     """The tool's path; fails (never skips) when it is missing: CI installs it."""
     path = shutil.which(tool)
     if path is None:
-        pytest.fail(f"{tool} is not installed: apt-get install prometheus (.ci/run does)")
+        pytest.fail(f"{tool} is not installed: apt-get install prometheus (scripts/test-deps does)")
     return path
 
 
