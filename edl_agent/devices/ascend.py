@@ -17,6 +17,7 @@ from edl_agent.devices.model import Device, Health, Vendor, VendorReport
 TOOL = "npu-smi"
 QUERY_ARGS = ("info",)
 HEALTH_ARGS = ("info", "-t", "health", "-i", "{npu}", "-c", "{chip}")  # one chip's alarm codes
+TOPO_ARGS = ("info", "-t", "topo")
 SHARED_NODES = ("/dev/davinci_manager", "/dev/devmm_svm", "/dev/hisi_hdc")
 DRIVER_VERSION_FILE = "/usr/local/Ascend/driver/version.info"  # `Version=24.1.rc2` lines
 # npu-smi's health words; Warning is a minor alarm that leaves the chip usable.
@@ -30,6 +31,7 @@ _BUS_ID = re.compile(r"^([0-9a-fA-F]{4}):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-
 _USAGE = re.compile(r"(\d+)\s*/\s*(\d+)")
 _CODE_SEPARATORS = re.compile(r"[\s,;]+")
 _FAULT_CODE = re.compile(r"^(?:0[xX])?([0-9a-fA-F]{1,8})$")
+_TOPO_LABEL = re.compile(r"^NPU(\d+)$")
 
 
 class NpuSmiParseError(ValueError):
@@ -213,6 +215,67 @@ def parse_npu_smi_health(text: str) -> NpuHealth:
         codes=tuple(codes),
         information="" if information.upper() in ("NA", "N/A") else information,
     )
+
+
+@dataclass(frozen=True)
+class NpuTopo:
+    """`npu-smi info -t topo`: the NPU ids in column order, each pair's cell (`HCCS`, `PIX`,
+    `SYS`, `NA`, ...) and each NPU's `CPU Affinity` text."""
+
+    npus: tuple[int, ...]
+    cells: dict[tuple[int, int], str]
+    cpu_affinity: dict[int, str]
+
+
+def parse_npu_smi_topo(text: str) -> NpuTopo:
+    """Parse the matrix of `npu-smi info -t topo`: a header of `NPU<i>` columns followed by
+    `CPU Affinity`, then one row per NPU (`NPU0  X  HCCS ...  144-167`), then the legend.
+
+    Format checked against a recorded 910B3 output (npu-smi 24.1.rc1, in the ms-swift NPU guide).
+    Cells are single words; the trailing columns are matched by their header titles, so a
+    version that adds one (or drops `CPU Affinity`) still parses.
+    """
+    npus: tuple[int, ...] = ()
+    trailing: list[str] = []
+    cells: dict[tuple[int, int], str] = {}
+    affinity: dict[int, str] = {}
+    for lineno, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if line.startswith("Legend"):
+            break
+        titles = re.split(r"\s{2,}|\t", line)
+        if not npus and _is_topo_header(titles):
+            columns = [t for t in titles if _TOPO_LABEL.match(t)]
+            npus = tuple(int(t[3:]) for t in columns)
+            trailing = titles[len(columns) :]
+            continue
+        tokens = line.split()
+        label = _TOPO_LABEL.match(tokens[0]) if tokens else None
+        if not npus or label is None:
+            continue
+        row = int(label.group(1))
+        if len(tokens) < 1 + len(npus) or row not in npus:
+            msg = f"line {lineno}: expected {len(npus)} cells for NPU{row}, got {line!r}"
+            raise NpuSmiParseError(msg)
+        for column, cell in zip(npus, tokens[1 : 1 + len(npus)], strict=True):
+            cells[(row, column)] = cell
+        extra = dict(zip(trailing, tokens[1 + len(npus) :], strict=False))
+        if "CPU Affinity" in extra:
+            affinity[row] = extra["CPU Affinity"]
+    if not npus:
+        raise NpuSmiParseError("no `NPU0 NPU1 ... CPU Affinity` header")
+    missing = [npu for npu in npus if (npu, npu) not in cells]
+    if missing:
+        msg = f"no row for NPU{missing[0]}"
+        raise NpuSmiParseError(msg)
+    return NpuTopo(npus=npus, cells=cells, cpu_affinity=affinity)
+
+
+def _is_topo_header(titles: list[str]) -> bool:
+    """`NPU0  NPU1 ...` or `NPU0  CPU Affinity`; a row starts `NPU0  X`."""
+    if len(titles) < 2 or not _TOPO_LABEL.match(titles[0]):
+        return False
+    return bool(_TOPO_LABEL.match(titles[1])) or titles[1:] == ["CPU Affinity"]
 
 
 def parse_version_info(text: str) -> str | None:

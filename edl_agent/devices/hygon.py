@@ -314,7 +314,7 @@ def _kfd_gpu_nodes(root: HostRoot) -> dict[tuple[int, int], dict[str, int]]:
     return nodes
 
 
-def _location_key(bus_id: str) -> tuple[int, int]:
+def kfd_location_key(bus_id: str) -> tuple[int, int]:
     """KFD's `location_id` packs the address as bus << 8 | device << 3 | function."""
     domain, bus, rest = bus_id.split(":")
     slot, function = rest.split(".")
@@ -332,7 +332,7 @@ def _device(
     tool_ok: bool,
 ) -> Device:
     bus_id = card.bus_id if card is not None else (record.bus_id if record is not None else None)
-    topology = kfd.get(_location_key(bus_id), {}) if bus_id is not None else {}
+    topology = kfd.get(kfd_location_key(bus_id), {}) if bus_id is not None else {}
     attributes: dict[str, str] = {}
     health = Health.HEALTHY
     nodes: tuple[str, ...] = shared

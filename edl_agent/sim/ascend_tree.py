@@ -1,7 +1,8 @@
 """Ascend NPUs of a simulated node: `/dev/davinci*`, PCI sysfs entries and an `npu-smi` stand-in.
 
 The stand-in prints the recorded output kept next to it (`npu-smi.info.txt` for `info`,
-`npu-smi.info-m.txt` for `info -m`, `npu-smi.health.<N>.txt` for `info -t health -i <N>`).
+`npu-smi.info-m.txt` for `info -m`, `npu-smi.topo.txt` for `info -t topo`,
+`npu-smi.health.<N>.txt` for `info -t health -i <N>`).
 Each NPU's health is the Health cell of that table plus its health file: `set_npu_health`
 rewrites both, which is how a fault (an NPU turning `Critical` with fault code 0x80E01801) is
 simulated. NPU ids equal device indexes here (one chip per NPU), so `-c <chip>` is not checked.
@@ -14,12 +15,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from edl_agent.sim.profile import AscendSpec, Profile, numa_node_of, pci_bus_id
+from edl_agent.sim.profile import AscendSpec, Profile, numa_cpulist, numa_node_of, pci_bus_id
 from edl_agent.sim.tree import VENDOR_SLOT, write_file
 
 TOOL = "/usr/local/Ascend/driver/tools/npu-smi"
 INFO_OUTPUT = TOOL + ".info.txt"
 MAP_OUTPUT = TOOL + ".info-m.txt"
+TOPO_OUTPUT = TOOL + ".topo.txt"
 HEALTH_OUTPUT = TOOL + ".health.{npu}.txt"
 VERSION_INFO = "/usr/local/Ascend/driver/version.info"
 SHARED_NODES = ("/dev/davinci_manager", "/dev/devmm_svm", "/dev/hisi_hdc")
@@ -32,6 +34,7 @@ here=$(dirname "$0")
 case "$*" in
   info) exec cat "$here/npu-smi.info.txt" ;;
   "info -m") exec cat "$here/npu-smi.info-m.txt" ;;
+  "info -t topo") exec cat "$here/npu-smi.topo.txt" ;;
   "info -t health -i "*)
     npu=$5
     case "$npu" in "" | *[!0-9]*) echo "npu-smi (simulated): bad NPU id: $npu" >&2; exit 2 ;; esac
@@ -96,6 +99,7 @@ def write(spec: AscendSpec, profile: Profile, root: Path) -> None:
     write_file(root, VERSION_INFO, f"Version={spec.driver_version}\n")
     write_file(root, INFO_OUTPUT, npu_smi_info(spec.driver_version, npus))
     write_file(root, MAP_OUTPUT, npu_smi_info_map(npus))
+    write_file(root, TOPO_OUTPUT, npu_smi_topo(npus, hccs=spec.hccs == "all"))
     for npu in npus:
         write_file(root, HEALTH_OUTPUT.format(npu=npu.index), npu_smi_health(npu.health))
     write_file(root, TOOL, SCRIPT, mode=0o755)
@@ -128,6 +132,37 @@ def npu_smi_info_map(npus: list[SimNpu]) -> str:
     head = ("NPU ID", "Chip ID", "Chip Logic ID", "Chip Name")
     rows = [head] + [(str(n.index), "0", str(n.index), f"Ascend {n.chip_name}") for n in npus]
     return "".join("\t" + "".join(f"{cell:<31}" for cell in row) + "\n" for row in rows)
+
+
+def npu_smi_topo(npus: list[SimNpu], *, hccs: bool) -> str:
+    """`npu-smi info -t topo`: NPU-by-NPU matrix in 11-wide columns, then each NPU's CPU affinity
+    (layout of npu-smi 24.1 on 910B3). Without HCCS, NPUs on one NUMA node meet at the CPU's host
+    bridge (PHB) and others across the sockets (SYS); the legend is worded here."""
+
+    def cell(a: SimNpu, b: SimNpu) -> str:
+        if a.index == b.index:
+            return "X"
+        if hccs:
+            return "HCCS"
+        return "PHB" if a.numa_node == b.numa_node else "SYS"
+
+    head = "\t   " + "".join(f"{f'NPU{n.index}':<11}" for n in npus) + "CPU Affinity"
+    rows = [
+        f"{f'NPU{a.index}':<11}"
+        + "".join(f"{cell(a, b):<11}" for b in npus)
+        + numa_cpulist(a.numa_node)
+        for a in npus
+    ]
+    legend = [
+        "  X    = the NPU itself",
+        "  SYS  = PCIe and the link between NUMA nodes",
+        "  PHB  = PCIe through the CPU's host bridge",
+        "  PIX  = PCIe through one switch",
+        "  PXB  = PCIe through several switches",
+        "  HCCS = HCCS",
+        "  NA   = not known",
+    ]
+    return "\n".join([head, *rows, "", "Legend:", "", *legend]) + "\n"
 
 
 def npu_smi_health(health: str, codes: Sequence[int] = (), information: str = "") -> str:

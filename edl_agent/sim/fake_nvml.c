@@ -15,6 +15,7 @@
  *   gpu      index=0  uuid=GPU-...  name=...  memory_mib=81559  bus_id=00000000:18:00.0
  *            [minor=0] [numa_node=0] [compute_capability=9.0] [architecture=9] [brand=14]
  *            [serial=...] [mig=unsupported|disabled|enabled] [power_limit_w=700] [nvlinks=18]
+ *            [cpus=0-31,64-95]   (the CPUs near the GPU, a cpulist as in sysfs)
  *            [lost=1]   (fallen off the bus: every query on it and its MIG devices fails)
  *   mig      gpu=0  index=0  uuid=MIG-...  name=... MIG 3g.40gb  memory_mib=40192
  *            gpu_instance=1  compute_instance=0
@@ -102,6 +103,8 @@ enum {
 #define NVML_DEVICE_ARCH_AMPERE 7u
 #define NVML_DEVICE_ARCH_UNKNOWN 0xffffffffu
 #define NVML_NVLINK_MAX_LINKS 36 /* nvml.h of CUDA 12.8+; older headers say 18 */
+enum { NVML_AFFINITY_SCOPE_NODE = 0, NVML_AFFINITY_SCOPE_SOCKET = 1 };
+typedef unsigned int nvmlAffinityScope_t;
 #define NVML_MEMORY_V2 0x02000028u /* sizeof(nvmlMemory_v2_t) | 2 << 24 */
 #define PCI_VENDOR_NVIDIA 0x10deu
 #define NVML_VALUE_NOT_AVAILABLE 0xffffffffu
@@ -157,6 +160,9 @@ typedef struct {
 #define MAX_GPUS 64
 #define MAX_MIGS_PER_GPU 7
 #define TEXT 96
+#define MAX_CPUS 4096
+#define WORD_BITS (8 * sizeof(unsigned long))
+#define CPU_WORDS (MAX_CPUS / WORD_BITS)
 
 enum mig_mode { MIG_UNSUPPORTED, MIG_DISABLED, MIG_ENABLED };
 
@@ -190,6 +196,8 @@ struct nvmlDevice_st {
     unsigned int power_limit_mw;
     unsigned int nvlink_count;
     struct nvlink nvlinks[NVML_NVLINK_MAX_LINKS];
+    int has_cpus;
+    unsigned long cpus[CPU_WORDS]; /* bit i: CPU i is near the GPU */
     unsigned int mig_count;
     struct nvmlDevice_st *migs[MAX_MIGS_PER_GPU];
 
@@ -446,6 +454,38 @@ static int get_pci(struct parser *p, const struct record *r, const char *key,
     return 1;
 }
 
+/* A cpulist as sysfs writes it ("0-31,64-95"), as a CPU bit mask. */
+static int get_cpus(struct parser *p, const struct record *r, const char *key, int *has,
+                    unsigned long *mask)
+{
+    const char *value = value_of(r, key), *at;
+    char *end;
+    if (value == NULL)
+        return 1;
+    memset(mask, 0, CPU_WORDS * sizeof *mask);
+    for (at = value;; at = end + 1) {
+        unsigned long first = strtoul(at, &end, 10), last = first;
+        if (end == at)
+            return fail(p, "bad cpulist for ", key);
+        if (*end == '-') {
+            at = end + 1;
+            last = strtoul(at, &end, 10);
+            if (end == at)
+                return fail(p, "bad cpulist for ", key);
+        }
+        if (first > last || last >= MAX_CPUS)
+            return fail(p, "bad CPU range in ", key);
+        for (unsigned long cpu = first; cpu <= last; cpu++)
+            mask[cpu / WORD_BITS] |= 1ul << (cpu % WORD_BITS);
+        if (*end == '\0')
+            break;
+        if (*end != ',')
+            return fail(p, "bad cpulist for ", key);
+    }
+    *has = 1;
+    return 1;
+}
+
 static int parse_system(struct parser *p, const struct record *r)
 {
     static const char *const keys[] = {"driver", "nvml", "cuda", NULL};
@@ -477,7 +517,7 @@ static int parse_gpu(struct parser *p, const struct record *r)
     static const char *const keys[] = {
         "index", "uuid", "name", "memory_mib", "bus_id", "minor", "numa_node",
         "compute_capability", "architecture", "brand", "serial", "mig", "power_limit_w",
-        "nvlinks", "lost", NULL};
+        "nvlinks", "cpus", "lost", NULL};
     struct nvmlDevice_st *gpu;
     unsigned int index = 0, power_w = 0, lost = 0;
     long long memory = 0, numa = -1;
@@ -507,6 +547,7 @@ static int parse_gpu(struct parser *p, const struct record *r)
         !get_text(p, r, "mig", 0, mig, sizeof mig) ||
         !get_unsigned(p, r, "power_limit_w", 0, 100000, &power_w) ||
         !get_unsigned(p, r, "nvlinks", 0, NVML_NVLINK_MAX_LINKS, &gpu->nvlink_count) ||
+        !get_cpus(p, r, "cpus", &gpu->has_cpus, gpu->cpus) ||
         !get_unsigned(p, r, "lost", 0, 1, &lost))
         return 0;
     if (sscanf(capability, "%d.%d", &gpu->cc_major, &gpu->cc_minor) != 2)
@@ -1740,6 +1781,57 @@ nvmlReturn_t nvmlDeviceGetTopologyCommonAncestor(nvmlDevice_t device1, nvmlDevic
         *level = NVML_TOPOLOGY_NODE;
     else
         *level = NVML_TOPOLOGY_SYSTEM;
+    return NVML_SUCCESS;
+}
+
+/* The CPUs near a GPU, as the driver takes them from its PCI device's local CPU list; NUMA and
+ * socket scope are the same set here, as the simulation has one NUMA node per socket. */
+static nvmlReturn_t cpu_affinity(nvmlDevice_t device, unsigned int size, unsigned long *set)
+{
+    struct nvmlDevice_st *d;
+    nvmlReturn_t ret = lookup_gpu(device, &d);
+    if (ret == NVML_SUCCESS && (set == NULL || size == 0))
+        ret = NVML_ERROR_INVALID_ARGUMENT;
+    if (ret == NVML_SUCCESS && !d->has_cpus)
+        ret = NVML_ERROR_NOT_SUPPORTED;
+    if (ret != NVML_SUCCESS)
+        return ret;
+    for (unsigned int i = 0; i < size; i++)
+        set[i] = i < CPU_WORDS ? d->cpus[i] : 0;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetCpuAffinity(nvmlDevice_t device, unsigned int cpuSetSize,
+                                      unsigned long *cpuSet)
+{
+    return cpu_affinity(device, cpuSetSize, cpuSet);
+}
+
+nvmlReturn_t nvmlDeviceGetCpuAffinityWithinScope(nvmlDevice_t device, unsigned int cpuSetSize,
+                                                 unsigned long *cpuSet, nvmlAffinityScope_t scope)
+{
+    if (scope != NVML_AFFINITY_SCOPE_NODE && scope != NVML_AFFINITY_SCOPE_SOCKET)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    return cpu_affinity(device, cpuSetSize, cpuSet);
+}
+
+/* The NUMA nodes whose memory is nearest: the GPU's own node (both scopes, as above). */
+nvmlReturn_t nvmlDeviceGetMemoryAffinity(nvmlDevice_t device, unsigned int nodeSetSize,
+                                         unsigned long *nodeSet, nvmlAffinityScope_t scope)
+{
+    struct nvmlDevice_st *d;
+    nvmlReturn_t ret = lookup_gpu(device, &d);
+    if (ret == NVML_SUCCESS && (nodeSet == NULL || nodeSetSize == 0 ||
+                                (scope != NVML_AFFINITY_SCOPE_NODE &&
+                                 scope != NVML_AFFINITY_SCOPE_SOCKET)))
+        ret = NVML_ERROR_INVALID_ARGUMENT;
+    if (ret == NVML_SUCCESS && d->numa_node < 0)
+        ret = NVML_ERROR_NOT_SUPPORTED;
+    if (ret != NVML_SUCCESS)
+        return ret;
+    memset(nodeSet, 0, nodeSetSize * sizeof *nodeSet);
+    if ((unsigned int)d->numa_node / WORD_BITS < nodeSetSize)
+        nodeSet[d->numa_node / WORD_BITS] = 1ul << (d->numa_node % WORD_BITS);
     return NVML_SUCCESS;
 }
 

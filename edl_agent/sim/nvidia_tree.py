@@ -21,6 +21,7 @@ from edl_agent.sim.profile import (
     GpuSpec,
     NvidiaSpec,
     Profile,
+    numa_cpulist,
     numa_node_of,
     pci_bus_id,
     stable_uuid,
@@ -187,6 +188,7 @@ def _records(spec: NvidiaSpec, gpus: list[SimGpu]) -> Iterator[str]:
             mig=gpu.mig_mode,
             power_limit_w=gpu.spec.power_limit_w,
             nvlinks=max(NVLINK_SLOTS, len(links[gpu.index])) if spec.nvlink != "none" else 0,
+            cpus=numa_cpulist(gpu.numa_node),
         )
         for mig in gpu.migs:
             yield _record(

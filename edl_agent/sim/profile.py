@@ -115,6 +115,7 @@ class NpuSpec:
 class AscendSpec:
     driver_version: str
     npus: tuple[NpuSpec, ...]
+    hccs: Literal["none", "all"] = "none"  # all: HCCS between every pair (a full mesh)
 
 
 @dataclass(frozen=True)
@@ -172,6 +173,15 @@ def parse_profile(name: str, text: str) -> Profile:
 def stable_uuid(*parts: object) -> str:
     digest = hashlib.sha256("/".join(str(p) for p in parts).encode()).digest()
     return str(uuid.UUID(bytes=digest[:16], version=4))
+
+
+CPUS_PER_NUMA_NODE = 32
+
+
+def numa_cpulist(numa: int) -> str:
+    """The CPUs of NUMA node `numa` of a simulated node, as sysfs lists them (`32-63`)."""
+    first = numa * CPUS_PER_NUMA_NODE
+    return f"{first}-{first + CPUS_PER_NUMA_NODE - 1}"
 
 
 def numa_node_of(index: int, count: int, numa_nodes: int) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from edl_agent.sim.profile import Profile
+from edl_agent.sim.profile import Profile, numa_cpulist
 
 # PCI domain per vendor in simulated trees (see profile.pci_bus_id).
 VENDOR_SLOT = {"nvidia": 0, "kunlunxin": 1, "hygon": 2, "ascend": 3}
@@ -25,9 +25,7 @@ def build_tree(profile: Profile, root: Path) -> None:
     write_file(root, "/etc/hostname", profile.node.hostname + "\n")
     write_file(root, "/sys/class/dmi/id/product_name", profile.node.machine + "\n")
     for numa in range(profile.node.numa_nodes):
-        write_file(
-            root, f"/sys/devices/system/node/node{numa}/cpulist", f"{numa * 32}-{numa * 32 + 31}\n"
-        )
+        write_file(root, f"/sys/devices/system/node/node{numa}/cpulist", numa_cpulist(numa) + "\n")
     if profile.nvidia is not None:
         from edl_agent.sim import nvidia_tree
 
