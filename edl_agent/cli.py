@@ -11,7 +11,7 @@ import sys
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import structlog
 
@@ -26,6 +26,7 @@ from edl_agent.config import (
 )
 from edl_agent.devices.model import Inventory
 from edl_agent.errors import UsageError
+from edl_agent.preflight import check_host_root
 from edl_agent.restarter import cli as restarter_cli
 from edl_agent.sim import inject_cli
 from edl_agent.sim.profile import ProfileError, load_profile, profile_names
@@ -55,14 +56,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.handler(args))
     except (UsageError, ConfigError, ProfileError) as exc:
-        print(f"edl-agent: error: {exc}", file=sys.stderr)
+        print(error_line(str(exc)), file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
 
 
+def error_line(message: str) -> str:
+    """Bad input is reported as exactly one line, whatever the message holds."""
+    return f"edl-agent: error: {' '.join(message.split())}"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with its mistakes reported like every other bad input: one line, exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, error_line(f"{message} (see {self.prog} --help)") + "\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    # Typed as the base class: subcommand parsers are made with the same class at run time.
+    parser: argparse.ArgumentParser = Parser(
         prog="edl-agent",
         description=DESCRIPTION,
         epilog=SETTINGS_EPILOG,
@@ -89,6 +103,19 @@ def build_parser() -> argparse.ArgumentParser:
         default="table",
         help="table for people (default), json for programs: "
         '{"node", "devices": [...], "resources": [{"name", "devices": [ids]}]}',
+    )
+    discover.add_argument(
+        "--topology",
+        action="store_true",
+        help="print how the physical accelerators connect instead, as `nvidia-smi topo -m` "
+        "does: a matrix of direct links (NV# NVLinks, HCCS, XGMI) or else PCIe paths (PIX, PXB, "
+        "PHB, NODE, SYS), with each device's CPU and NUMA affinity. NVIDIA: NVML (NVLink "
+        "counts, common ancestor, affinity). Ascend: npu-smi info -t topo (HCCS, not counted). "
+        "Hygon: xGMI links in the KFD topology (not counted). Kunlunxin: no XPU Links are read. "
+        "Everything else, and every pair of different vendors, from sysfs (PCI tree, NUMA "
+        "nodes). With --format json: "
+        '{"node", "devices", "pairs", "matrix", "vendors": [{"vendor", "known", "error"}], '
+        '"legend"}',
     )
     discover.set_defaults(handler=_discover)
 
@@ -127,6 +154,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help="the restarter's fault intake; container exits on this node and unhealthy devices "
         "held by pods are reported there (default: none, faults are only logged)",
+    )
+    run.add_argument(
+        "--kubeconfig",
+        metavar="FILE",
+        help="credentials for writing labels, the node condition and events, and for watching "
+        "this node's pods (node.kubeconfig). Without it: $KUBECONFIG, else the pod's service "
+        "account in a cluster, else nothing is written, only logged. With --simulate only this "
+        "flag or node.kubeconfig counts, never $KUBECONFIG or a service account, so that a "
+        "simulated node cannot label a real cluster's node by accident",
     )
     run.set_defaults(handler=_run)
 
@@ -213,6 +249,8 @@ def settings_from_args(
         value = getattr(args, flag, None)
         if value is not None:
             set_path(overrides, ["faults", flag], value)
+    if getattr(args, "kubeconfig", None) is not None:
+        set_path(overrides, ["node", "kubeconfig"], args.kubeconfig)
     if host_root is not None:
         overrides["host_root"] = host_root
     settings = load_settings(
@@ -230,7 +268,7 @@ def node_settings(args: argparse.Namespace) -> Iterator[Settings]:
     """Settings for a command that reads a node, with a simulated tree when --simulate is given."""
     if args.simulate is None:
         settings = settings_from_args(args)
-        _check_host_root(settings.host_root)
+        check_host_root(settings.host_root)
         yield settings
         return
     profile = load_profile(args.simulate)
@@ -245,16 +283,6 @@ def node_settings(args: argparse.Namespace) -> Iterator[Settings]:
         structlog.get_logger().info("building simulated node", profile=profile.name, root=tmp)
         _build_tree(profile.name, Path(tmp))
         yield settings
-
-
-def _check_host_root(host_root: str) -> None:
-    path = Path(host_root)
-    if not path.is_dir():
-        msg = f"host root {host_root}: not a directory"
-        raise UsageError(msg)
-    if not os.access(path, os.R_OK | os.X_OK):
-        msg = f"host root {host_root}: not readable"
-        raise UsageError(msg)
 
 
 def _build_tree(name: str, directory: Path) -> None:
@@ -275,6 +303,17 @@ def _discover(args: argparse.Namespace) -> int:
 
     with node_settings(args) as settings:
         inventory = discover_node(settings)
+        if args.topology:
+            from edl_agent.devices.hostroot import HostRoot
+            from edl_agent.devices.topology import render_matrix
+            from edl_agent.devices.topology_read import read_topology
+
+            topology = read_topology(HostRoot.at(settings.host_root), inventory)
+            if args.format == "json":
+                print(json.dumps(topology.to_json(), indent=2))
+            else:
+                print(render_matrix(topology))
+            return 0
     if args.format == "json":
         print(json.dumps(inventory.to_json(), indent=2))
     else:
@@ -283,21 +322,28 @@ def _discover(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from edl_agent.agent import Agent
-    from edl_agent.faults.outbox import OutboxError
-    from edl_agent.kube import KubeConfigError, connect
-    from edl_agent.plugin.server import socket_dir_problem
+    from edl_agent.preflight import check_run_paths
 
     with node_settings(args) as settings:
-        problem = socket_dir_problem(Path(settings.plugin.kubelet_dir))
-        if problem is not None:
-            raise UsageError(problem)
-        agent = Agent(settings)
-        print(render_table(agent.state.snapshot().inventory), flush=True)
+        check_run_paths(settings)
+        # Imported once the settings are known to be usable: these take most of the start-up.
+        from edl_agent.agent import Agent
+        from edl_agent.faults.outbox import OutboxError
+        from edl_agent.kube import KUBECONFIG_ENV, KubeConfigError, connect
+
+        # A simulated node uses only a kubeconfig it is given: never $KUBECONFIG or a pod's
+        # service account, which belong to whatever real cluster this shell or pod is in.
+        simulated = args.simulate is not None
+        if simulated and not settings.node.kubeconfig and os.environ.get(KUBECONFIG_ENV):
+            structlog.get_logger().info(
+                "$KUBECONFIG ignored for a simulated node; pass --kubeconfig to use it"
+            )
         try:
-            api = connect(settings.node.kubeconfig)
+            api = connect(settings.node.kubeconfig, ambient=not simulated)
         except KubeConfigError as exc:
             raise UsageError(str(exc)) from None
+        agent = Agent(settings)
+        print(render_table(agent.state.snapshot().inventory), flush=True)
         try:
             agent.start_faults(api)
         except (OutboxError, ValueError) as exc:

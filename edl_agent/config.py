@@ -7,6 +7,7 @@ so every key can be set from a pod spec. Flags use `--set nvidia.mig_strategy=mi
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import itertools
 import re
@@ -18,6 +19,7 @@ from typing import Any, Literal
 
 import yaml
 
+from edl_agent.errors import shorten
 from edl_agent.typed import SchemaError, build
 
 ENV_PREFIX = "EDL_"
@@ -25,6 +27,21 @@ RESOURCE_NAME = re.compile(
     r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 )
 PLACEHOLDERS = ("{resource}", "{model}", "{memory}")
+# A Node's name is a DNS subdomain (RFC 1123), as the API server requires.
+NODE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+MAX_NODE_NAME = 253
+# Time-slicing replicas and vNPU templates per device. Each replica id is a slot for one more
+# process on the device, and every process holds a context in device memory (hundreds of MiB
+# on current GPUs), so even an 80 GiB device can run only a few hundred at once: 1024 is well
+# above anything usable. It also keeps what kubelet receives small: a ListAndWatch answer costs
+# about 70 bytes per id, and kubelet's gRPC client takes at most 4 MiB in one message.
+MAX_SHARES_PER_DEVICE = 1024
+# Memory units smaller than this would advertise tens of thousands of ids per device (1 MiB
+# units give 81,920 for an 80 GiB GPU): more than kubelet takes in one ListAndWatch message.
+MIN_MEMORY_UNIT_MIB = 64
+# A config file is a page of YAML; reading stops here so that a wrong path (/dev/zero, a disk
+# image) is refused at once instead of filling memory.
+MAX_CONFIG_BYTES = 1024 * 1024
 
 
 class ConfigError(Exception):
@@ -68,8 +85,10 @@ class VnpuTemplate:
     memory_mib: int
 
     def check(self) -> None:
-        if self.per_device < 1:
-            raise ValueError("per_device: must be at least 1")
+        if not 1 <= self.per_device <= MAX_SHARES_PER_DEVICE:
+            raise ValueError(f"per_device: must be between 1 and {MAX_SHARES_PER_DEVICE}")
+        if self.aicore < 0 or self.memory_mib < 0:
+            raise ValueError("aicore and memory_mib must not be negative")
 
 
 @dataclass(frozen=True)
@@ -95,18 +114,24 @@ class SharingRule:
     keep_whole: bool = False
     """Advertise the whole devices too, beside the shares."""
     replicas: int = 0
-    """Time-slicing: this many ids per device (`<id>::<i>`); 0 for none."""
+    """Time-slicing: this many ids per device (`<id>::<i>`), at most 1024; 0 for none."""
     replica_resource: str = "{resource}"
     memory_unit_mib: int = 0
-    """One id per this many MiB of device memory; 0 for none."""
+    """One id per this many MiB of device memory, at least 64; 0 for none."""
     memory_resource: str = "{resource}-memory"
     core_unit_percent: int = 0
     """One id per this many percent of the device's compute; 0 for none."""
     core_resource: str = "{resource}-core"
 
     def check(self) -> None:
-        if self.replicas < 0 or self.memory_unit_mib < 0:
-            raise ValueError("replicas and memory_unit_mib must not be negative")
+        if not 0 <= self.replicas <= MAX_SHARES_PER_DEVICE:
+            raise ValueError(
+                f"replicas: must be between 0 and {MAX_SHARES_PER_DEVICE} (ids per device)"
+            )
+        if 0 < self.memory_unit_mib < MIN_MEMORY_UNIT_MIB:
+            raise ValueError(f"memory_unit_mib: must be 0 (none) or at least {MIN_MEMORY_UNIT_MIB}")
+        if not 0 <= self.core_unit_percent <= 100:
+            raise ValueError("core_unit_percent: must be between 0 and 100")
         if self.core_unit_percent and 100 % self.core_unit_percent:
             raise ValueError("core_unit_percent: must divide 100 (1, 2, 4, 5, 10, 20, 25, 50)")
         if self.keep_whole and self.replicas and self.replica_resource == "{resource}":
@@ -163,9 +188,10 @@ class HealthSettings:
     def check(self) -> None:
         from edl_agent.health.classify import check_ascend_overrides, check_xid_overrides
 
-        for key in ("quiet_seconds", "poll_seconds", "nvml_retry_seconds"):
-            if getattr(self, key) <= 0:
-                raise ValueError(f"{key}: must be positive")
+        bounds = {"quiet_seconds": 30 * 86400, "poll_seconds": 3600, "nvml_retry_seconds": 3600}
+        for key, most in bounds.items():
+            if not 0 < getattr(self, key) <= most:
+                raise ValueError(f"{key}: must be positive and at most {most}")
         try:
             check_xid_overrides(self.xid_levels)
             check_ascend_overrides(self.ascend_code_levels)
@@ -176,9 +202,11 @@ class HealthSettings:
 @dataclass(frozen=True)
 class NodeSettings:
     kubeconfig: str = ""
-    """Kubeconfig file for the API server; empty: the pod's service account when in a cluster,
-    else no API at all (labels, the condition and events are only logged). $KUBECONFIG and
-    ~/.kube/config are never read, so a laptop run cannot label a real node by accident."""
+    """Kubeconfig file for the API server (`run --kubeconfig`); empty: $KUBECONFIG, else the
+    pod's service account when in a cluster, else no API at all (labels, the condition and
+    events are only logged). Under --simulate only this setting is used, never $KUBECONFIG or
+    the service account, so a simulated node cannot label a real node by accident;
+    ~/.kube/config is never read."""
     labels: Literal["node", "features_file", "off"] = "node"
     """node: patch labels onto the Node; features_file: write them to `features_file` for Node
     Feature Discovery instead; off: no labels (the condition and events are still written)."""
@@ -198,10 +226,13 @@ class NodeSettings:
     def check(self) -> None:
         if not 10 <= self.resync_seconds <= 86400:
             raise ValueError("resync_seconds: must be between 10 and 86400")
-        if self.events_per_minute <= 0 or self.event_burst < 1:
-            raise ValueError("events_per_minute must be positive and event_burst at least 1")
-        if self.event_dedupe_seconds < 0:
-            raise ValueError("event_dedupe_seconds: must not be negative")
+        if not 0 < self.events_per_minute <= 60000:
+            raise ValueError("events_per_minute: must be positive and at most 60000")
+        if not 1 <= self.event_burst <= 10000:
+            raise ValueError("event_burst: must be between 1 and 10000")
+        # The API server keeps events for an hour by default; a day is beyond any use.
+        if not 0 <= self.event_dedupe_seconds <= 86400:
+            raise ValueError("event_dedupe_seconds: must be between 0 and 86400")
         if self.labels == "features_file" and not self.features_file:
             raise ValueError("features_file: must be set when labels is features_file")
 
@@ -227,10 +258,15 @@ class FaultSettings:
     clear)."""
 
     def check(self) -> None:
+        from edl_agent.address import check_dial_target
         from edl_agent.faults.sender import is_loopback
 
         if not self.restarter_address:
             return
+        try:
+            check_dial_target(self.restarter_address)
+        except ValueError as exc:
+            raise ValueError(f"restarter_address: {exc}") from None
         if not self.state_dir:
             raise ValueError("state_dir: must be set when restarter_address is")
         if not self.ca_file and not self.insecure and not is_loopback(self.restarter_address):
@@ -269,11 +305,18 @@ class Settings:
     memory_unit_mib, memory_resource, core_unit_percent, core_resource}]; see README."""
 
     def check(self) -> None:
-        from edl_agent.metrics.server import parse_address
+        from edl_agent.address import parse_host_port
 
+        if self.node_name and not (
+            len(self.node_name) <= MAX_NODE_NAME and NODE_NAME.match(self.node_name)
+        ):
+            raise ValueError(
+                f"node_name: {shorten(self.node_name)!r} is not a Kubernetes node name "
+                "(lower-case letters, digits, '-' and '.')"
+            )
         if self.metrics_addr:
             try:
-                parse_address(self.metrics_addr)
+                parse_host_port(self.metrics_addr)
             except ValueError as exc:
                 raise ValueError(f"metrics_addr: {exc}") from None
         names = [
@@ -317,16 +360,19 @@ def load_settings(
     layers.append(("environment", env_layer(environ or {})))
     layers.append(("command line", overrides or {}))
     source_of: dict[str, str] = {}
-    for source, layer in layers:
-        _check_layer(layer, source)
-        _deep_merge(merged, layer)
-        for top in layer:
-            source_of[str(top)] = source
     try:
+        for source, layer in layers:
+            _check_layer(layer, source)
+            _deep_merge(merged, layer)
+            for top in layer:
+                source_of[str(top)] = source
         return build(Settings, merged)
     except SchemaError as exc:
         source = source_of.get(exc.where.split(".")[0].split("[")[0], "configuration")
         msg = f"{exc} (from {source})"
+        raise ConfigError(msg) from None
+    except RecursionError:
+        msg = "the settings are nested too deeply"
         raise ConfigError(msg) from None
 
 
@@ -359,11 +405,46 @@ def parse_value(path: list[str], raw: str, origin: str) -> Any:
     """Strings stay strings where the setting is a string; everything else is a YAML scalar."""
     if _hint_at(path) is str:
         return raw
+    if not raw.strip():
+        return ""
     try:
-        return yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        msg = f"{'.'.join(path)}: cannot read value {raw!r} (from {origin})"
+        return load_yaml(raw)
+    except YamlProblem as exc:
+        key, value = shorten(".".join(path)), shorten(repr(raw))
+        msg = f"{key}: cannot read value {value}: {exc} (from {origin})"
         raise ConfigError(msg) from None
+
+
+class YamlProblem(ValueError):
+    """YAML that cannot be read: `why` in a few words, and the `line` when the parser knows."""
+
+    def __init__(self, why: str, line: int | None = None) -> None:
+        super().__init__(why if line is None else f"line {line}: {why}")
+        self.why, self.line = why, line
+
+
+def load_yaml(text: str) -> Any:
+    """`yaml.safe_load`, with everything it raises on bad input as a YamlProblem."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.reader.ReaderError as exc:  # a character YAML does not allow
+        char = exc.character
+        shown = f"U+{char:04X}" if isinstance(char, int) else repr(char)
+        why = f"character {shown} at offset {exc.position}: {exc.reason}"
+        raise YamlProblem(why) from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise YamlProblem(problem, None if mark is None else mark.line + 1) from None
+    except RecursionError:
+        raise YamlProblem("nested too deeply") from None
+    except ValueError as exc:
+        # From the value constructors: an integer past Python's int-string conversion limit,
+        # or an impossible date such as 2024-13-01.
+        digits = "digits" in str(exc)
+        raise YamlProblem(
+            "a number of more than 4300 digits" if digits else shorten(str(exc), 100)
+        ) from None
 
 
 def describe_settings() -> list[tuple[str, str, str]]:
@@ -426,16 +507,19 @@ def _hint_at(path: list[str]) -> Any:
 
 def _read_file(path: str) -> Mapping[str, Any]:
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        with Path(path).open("rb") as stream:
+            raw = stream.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
         msg = f"config file {path}: {exc.strerror or exc}"
         raise ConfigError(msg) from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        msg = f"config file {path}: larger than {MAX_CONFIG_BYTES // 1024} KiB"
+        raise ConfigError(msg)
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        msg = f"config file {path}{where}: {getattr(exc, 'problem', None) or 'invalid YAML'}"
+        data = load_yaml(_decode(path, raw))
+    except YamlProblem as exc:
+        where = "" if exc.line is None else f" line {exc.line}"
+        msg = f"config file {path}{where}: {exc.why}"
         raise ConfigError(msg) from None
     if data is None:
         return {}
@@ -445,11 +529,27 @@ def _read_file(path: str) -> Mapping[str, Any]:
     return data
 
 
+def _decode(path: str, raw: bytes) -> str:
+    """UTF-8 text (a byte-order mark allowed); anything else is refused with what it looks like."""
+    if raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)) or (
+        len(raw) > 1 and b"\x00" in raw[:2]
+    ):
+        msg = f"config file {path}: UTF-16 text; save it as UTF-8"
+        raise ConfigError(msg)
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        where = f"byte 0x{raw[exc.start]:02x} at offset {exc.start}"
+        msg = f"config file {path}: not UTF-8 text ({where})"
+        raise ConfigError(msg) from None
+
+
 def _check_layer(layer: Mapping[str, Any], source: str) -> None:
     known = {f.name for f in dataclasses.fields(Settings)}
     for key in layer:
         if key not in known:
-            msg = f"{key}: unknown key (from {source}; known keys: {', '.join(sorted(known))})"
+            shown = shorten(str(key))
+            msg = f"{shown}: unknown key (from {source}; known keys: {', '.join(sorted(known))})"
             raise ConfigError(msg)
 
 

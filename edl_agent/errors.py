@@ -3,3 +3,9 @@
 
 class UsageError(Exception):
     """Bad input from the person running the command."""
+
+
+def shorten(text: str, limit: int = 60) -> str:
+    """`text` cut to `limit` characters, so that a message quoting a person's input stays one
+    readable line whatever that input's size."""
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."

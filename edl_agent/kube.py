@@ -1,12 +1,17 @@
 """The Kubernetes API adapter: building a client, and the few calls the node agent makes.
 
 Where the credentials come from, first match wins:
-1. `node.kubeconfig`, when set (a missing or broken file is an error, never a silent fallback);
-2. the pod's service account, when running in a cluster (`KUBERNETES_SERVICE_HOST` and the
+1. the kubeconfig given explicitly (`run --kubeconfig`, `node.kubeconfig`, the restarter's
+   `--kubeconfig`);
+2. `$KUBECONFIG` (files separated by `:` are merged, files that do not exist are skipped, as
+   kubectl does);
+3. the pod's service account, when running in a cluster (`KUBERNETES_SERVICE_HOST` and the
    mounted token; the token is re-read as kubelet rotates it);
-3. nothing: `connect()` returns None and the agent only logs what it would write.
-`$KUBECONFIG` and `~/.kube/config` are never read, so that a simulated node on a laptop cannot
-label a real cluster's node by accident.
+4. nothing: `connect()` returns None and the agent only logs what it would write.
+A kubeconfig that is named but missing or broken is an error, never a silent fallback to the
+next source. With `ambient=False` (the agent under --simulate) only 1 is used: a simulated node
+must not label a real cluster's node because a shell or a pod happened to hold credentials.
+`~/.kube/config` is never read.
 
 Objects go in and come out as plain JSON dicts; API errors become `ApiError` with the HTTP status.
 """
@@ -34,6 +39,7 @@ from kubernetes.config.incluster_config import (
 MERGE_PATCH = "application/merge-patch+json"
 STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
 REQUEST_TIMEOUT = (5.0, 30.0)  # connect, read
+KUBECONFIG_ENV = "KUBECONFIG"
 CONFLICT = 409
 NOT_FOUND = 404
 GONE = 410
@@ -57,33 +63,39 @@ class ApiError(Exception):
         self.status = status
 
 
+def kubeconfig_to_use(
+    kubeconfig: str, *, name: str, environ: Mapping[str, str], ambient: bool
+) -> tuple[str, str] | None:
+    """(the kubeconfig to load, what to call it in errors): the explicit one, else $KUBECONFIG
+    when `ambient`; None: the in-cluster service account (when `ambient`) or nothing. Pure."""
+    if kubeconfig:
+        return kubeconfig, name
+    if ambient and environ.get(KUBECONFIG_ENV, "").strip(os.pathsep + " "):
+        return environ[KUBECONFIG_ENV], f"${KUBECONFIG_ENV}"
+    return None
+
+
 def api_client(
     kubeconfig: str,
     *,
+    name: str = "node.kubeconfig",
     environ: Mapping[str, str] | None = None,
+    ambient: bool = True,
     token_file: str = SERVICE_TOKEN_FILENAME,
     ca_file: str = SERVICE_CERT_FILENAME,
     connections: int | None = None,
 ) -> client.ApiClient | None:
-    """A client from the explicit kubeconfig, else the in-cluster service account, else None.
+    """A client from the explicit kubeconfig (`name` says where it was given), else $KUBECONFIG,
+    else the in-cluster service account, else None; with `ambient=False` only the explicit one.
     `connections`: the most connections it keeps open (each watch holds one)."""
     env = os.environ if environ is None else environ
     configuration = client.Configuration()
     if connections is not None:
         configuration.connection_pool_maxsize = connections
-    if kubeconfig:
-        if not Path(kubeconfig).is_file():
-            msg = f"node.kubeconfig: {kubeconfig} does not exist"
-            raise KubeConfigError(msg)
-        try:
-            api: client.ApiClient = kube_config.new_client_from_config(  # type: ignore[no-untyped-call]
-                config_file=kubeconfig, client_configuration=configuration
-            )
-            return api
-        except (kube_config.ConfigException, ValueError, KeyError, OSError, yaml.YAMLError) as exc:
-            msg = f"node.kubeconfig: cannot use {kubeconfig}: {exc}"
-            raise KubeConfigError(msg) from None
-    if not env.get(SERVICE_HOST_ENV_NAME) or not Path(token_file).is_file():
+    chosen = kubeconfig_to_use(kubeconfig, name=name, environ=env, ambient=ambient)
+    if chosen is not None:
+        return _from_kubeconfig(*chosen, configuration, explicit=bool(kubeconfig))
+    if not ambient or not env.get(SERVICE_HOST_ENV_NAME) or not _is_file(Path(token_file)):
         return None
     try:
         loader = InClusterConfigLoader(token_file, ca_file, environ=env)  # type: ignore[no-untyped-call]
@@ -94,8 +106,57 @@ def api_client(
     return client.ApiClient(configuration)
 
 
-def connect(kubeconfig: str, *, environ: Mapping[str, str] | None = None) -> KubeApi | None:
-    api = api_client(kubeconfig, environ=environ)
+def _from_kubeconfig(
+    path: str, name: str, configuration: client.Configuration, *, explicit: bool
+) -> client.ApiClient:
+    # An explicit kubeconfig is one file; $KUBECONFIG may list several, as for kubectl.
+    files = [path] if explicit else [p for p in path.split(os.pathsep) if p.strip()]
+    if not any(_is_file(Path(f).expanduser()) for f in files):
+        if len(files) > 1:
+            msg = f"{name}: none of {path} exists"
+        elif _exists(Path(path)):
+            msg = f"{name}: {path} is not a file"
+        else:
+            msg = f"{name}: {path} does not exist"
+        raise KubeConfigError(msg)
+    try:
+        api: client.ApiClient = kube_config.new_client_from_config(  # type: ignore[no-untyped-call]
+            config_file=path, client_configuration=configuration, persist_config=False
+        )
+    except (
+        kube_config.ConfigException,
+        ValueError,
+        KeyError,
+        TypeError,
+        AttributeError,
+        OSError,
+        yaml.YAMLError,
+        RecursionError,
+    ) as exc:
+        why = " ".join(str(exc).split())[:300] or type(exc).__name__
+        msg = f"{name}: cannot use {path}: {why}"
+        raise KubeConfigError(msg) from None
+    return api
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # a directory on the way we may not search
+        return False
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:
+        return True
+
+
+def connect(
+    kubeconfig: str, *, environ: Mapping[str, str] | None = None, ambient: bool = True
+) -> KubeApi | None:
+    api = api_client(kubeconfig, environ=environ, ambient=ambient)
     return None if api is None else KubeApi(api)
 
 

@@ -9,13 +9,23 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import re
 import types
 import typing
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
+from edl_agent.errors import shorten
+
 T = TypeVar("T")
+# Every integer setting fits in 64 bits (Kubernetes quantities, protobuf fields, C libraries);
+# bigger ones are typos, and beyond ~4300 digits Python cannot even print them.
+MAX_INT = 2**63 - 1
+# Numbers with an exponent but no dot (`1e3`), which a YAML 1.1 reader leaves as strings.
+EXPONENT = re.compile(r"[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)[eE][-+]?[0-9]{1,4}")
+YAML_TRUE = frozenset({"on", "yes", "true"})
+YAML_FALSE = frozenset({"off", "no", "false"})
 KEY_PATH = re.compile(r"[a-z_][a-z0-9_]*(\[\d+\])?(\.[a-z_][a-z0-9_]*(\[\d+\])?)*")
 
 
@@ -41,7 +51,7 @@ def build(cls: type[T], data: Any, where: str = "") -> T:
     unknown = sorted(str(key) for key in data if key not in fields)
     if unknown:
         known = ", ".join(sorted(fields))
-        raise SchemaError(_join(where, unknown[0]), f"unknown key (known keys: {known})")
+        raise SchemaError(_join(where, shorten(unknown[0])), f"unknown key (known keys: {known})")
     values: dict[str, Any] = {}
     for name, field in fields.items():
         key_where = _join(where, name)
@@ -79,10 +89,12 @@ def _convert(hint: Any, value: Any, where: str) -> Any:  # noqa: PLR0911, PLR091
                 errors.append(exc)
         raise errors[0]
     if origin is typing.Literal:
+        if isinstance(value, bool):
+            value = _yaml_word(value, args)
         if value in args:
             return value
         choices = ", ".join(str(a) for a in args)
-        raise SchemaError(where, f"expected one of {choices}, got {value!r}")
+        raise SchemaError(where, f"expected one of {choices}, got {shorten(repr(value))}")
     if origin in (tuple, list):
         if not isinstance(value, list | tuple):
             raise SchemaError(where, f"expected a list, got {_describe(value)}")
@@ -107,11 +119,15 @@ def _convert(hint: Any, value: Any, where: str) -> Any:  # noqa: PLR0911, PLR091
         raise SchemaError(where, f"expected true or false, got {_describe(value)}")
     if hint is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if abs(value) > MAX_INT:
+                raise SchemaError(where, f"{_describe(value)} is out of range (at most {MAX_INT})")
             return value
         raise SchemaError(where, f"expected an integer, got {_describe(value)}")
     if hint is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
+            return _finite(value, where)
+        if isinstance(value, str) and EXPONENT.fullmatch(value.strip()):
+            return _finite(value, where)  # 1e3: a number in YAML 1.2, a string in YAML 1.1
         raise SchemaError(where, f"expected a number, got {_describe(value)}")
     if hint is str:
         if isinstance(value, str):
@@ -119,6 +135,26 @@ def _convert(hint: Any, value: Any, where: str) -> Any:  # noqa: PLR0911, PLR091
         raise SchemaError(where, f"expected a string, got {_describe(value)}")
     msg = f"unsupported schema type {hint!r}"
     raise TypeError(msg)
+
+
+def _finite(value: float | str, where: str) -> float:
+    """A number as a float; infinities, NaN and numbers beyond a float's range are refused (a
+    NaN compares false with every bound, so no later range check would catch it)."""
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise SchemaError(where, f"expected a finite number, got {_describe(value)}")
+    return number
+
+
+def _yaml_word(value: bool, choices: tuple[Any, ...]) -> Any:
+    """The choice a YAML 1.1 reader turned into a bool (`off`, `no`, `on`, `yes`), so that a
+    documented word such as `labels: off` means itself in a file, the environment or --set."""
+    words = YAML_TRUE if value else YAML_FALSE
+    matches = [c for c in choices if isinstance(c, str) and c.lower() in words]
+    return matches[0] if len(matches) == 1 else value
 
 
 def _join(where: str, key: str) -> str:
@@ -132,4 +168,6 @@ def _describe(value: Any) -> str:
         return "a mapping"
     if isinstance(value, list | tuple):
         return "a list"
-    return f"{type(value).__name__} {value!r}"
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+        return f"an integer of about {round(value.bit_length() * math.log10(2))} digits"
+    return f"{type(value).__name__} {shorten(repr(value))}"

@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 import structlog
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_ambient_kubeconfig() -> Iterator[None]:
+    """$KUBECONFIG is a credential source for the agents and restarters tests start; tests name
+    their kubeconfig explicitly and must never reach the cluster of the shell running them."""
+    saved = os.environ.pop("KUBECONFIG", None)
+    yield
+    if saved is not None:
+        os.environ["KUBECONFIG"] = saved
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from edl_agent.config import ConfigError, describe_settings, env_layer, load_settings
+from edl_agent.config import (
+    ConfigError,
+    describe_settings,
+    env_layer,
+    load_settings,
+    set_path,
+)
+from edl_agent.config import assignment as assign
 
 
 def test_defaults() -> None:
@@ -88,3 +95,109 @@ def test_every_setting_is_described() -> None:
     assert "NVML" in documented["nvidia.enabled"]
     undocumented = [key for key, meaning in documented.items() if not meaning]
     assert undocumented == []
+
+
+FLOAT_KEYS = [
+    ("health", "quiet_seconds"),
+    ("health", "poll_seconds"),
+    ("health", "nvml_retry_seconds"),
+    ("node", "resync_seconds"),
+    ("node", "events_per_minute"),
+    ("node", "event_dedupe_seconds"),
+    ("plugin", "health_poll_seconds"),
+    ("plugin", "rediscover_seconds"),
+]
+
+
+@pytest.mark.parametrize(("section", "key"), FLOAT_KEYS)
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), 10**400, "1e400"])
+def test_no_number_setting_takes_nan_or_infinity(section: str, key: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=rf"^{section}\.{key}: expected a finite number"):
+        load_settings(overrides={section: {key: value}})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"node": {"event_burst": 2**63}}, "node.event_burst: an integer of about 19 digits"),
+        ({"node": {"event_burst": 10**4000}}, "an integer of about 4000 digits is out of range"),
+        ({"node": {"event_burst": 10001}}, "node.event_burst: must be between 1 and 10000"),
+        ({"health": {"quiet_seconds": -1}}, "health.quiet_seconds: must be positive"),
+        ({"node": {"events_per_minute": 0}}, "node.events_per_minute: must be positive"),
+        ({"node": {"event_dedupe_seconds": -1}}, "node.event_dedupe_seconds: must be between"),
+        ({"sharing": [{"resource": "a.com/g", "replicas": 1025}]}, "sharing[0].replicas: must be"),
+        ({"sharing": [{"resource": "a.com/g", "memory_unit_mib": 63}]}, "at least 64"),
+        ({"node_name": "Node_1"}, "node_name: 'Node_1' is not a Kubernetes node name"),
+        ({"faults": {"restarter_address": "edl-restarter:"}}, "faults.restarter_address: "),
+    ],
+)
+def test_numbers_and_names_have_bounds(overrides: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_settings(overrides=overrides)
+    assert message in str(caught.value)
+
+
+def test_the_bounds_themselves_are_allowed() -> None:
+    settings = load_settings(
+        overrides={
+            "sharing": [{"resource": "a.com/g", "replicas": 1024, "memory_unit_mib": 64}],
+            "node": {"event_burst": 10000, "event_dedupe_seconds": 0},
+            "health": {"quiet_seconds": 30 * 86400},
+        }
+    )
+    assert settings.sharing[0].replicas == 1024
+
+
+@pytest.mark.parametrize(
+    ("environ", "file_text", "assignment"),
+    [
+        ({"EDL_NODE__LABELS": "off"}, None, None),
+        ({}, "node:\n  labels: off\n", None),
+        ({}, None, "node.labels=off"),
+        ({}, None, "node.labels=OFF"),
+    ],
+)
+def test_labels_off_means_off_from_every_source(
+    tmp_path: Path, environ: dict[str, str], file_text: str | None, assignment: str | None
+) -> None:
+    """YAML 1.1 reads the documented `off` as false; it still means the word."""
+    file = None
+    if file_text is not None:
+        (tmp_path / "edl.yaml").write_text(file_text)
+        file = str(tmp_path / "edl.yaml")
+    overrides: dict[str, object] = {}
+    if assignment is not None:
+        path, value = assign(assignment)
+        set_path(overrides, path, value)
+    settings = load_settings(file=file, environ=environ, overrides=overrides)
+    assert settings.node.labels == "off"
+
+
+def test_a_number_yaml_1_1_reads_as_a_string_is_still_a_number() -> None:
+    assert load_settings(environ={"EDL_HEALTH__QUIET_SECONDS": "1e3"}).health.quiet_seconds == 1e3
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("log_level: debug\n".encode("utf-16"), "UTF-16 text; save it as UTF-8"),
+        ("node_name: caf\xe9\n".encode("latin-1"), "not UTF-8 text (byte 0xe9 at offset 14)"),
+        (b"node:\n  event_burst: " + b"9" * 5000, "a number of more than 4300 digits"),
+        (b"sharing: " + b"[" * 3000 + b"]" * 3000, "nested too deeply"),
+        (b"health: {quiet_seconds: 2024-13-01}", "month must be in 1..12"),
+        (b"# x\n" * 300_000, "larger than 1024 KiB"),
+    ],
+)
+def test_unreadable_files_are_one_line(tmp_path: Path, content: bytes, message: str) -> None:
+    path = tmp_path / "edl.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as caught:
+        load_settings(file=str(path))
+    assert str(caught.value).startswith(f"config file {path}")
+    assert message in str(caught.value)
+
+
+def test_a_utf8_byte_order_mark_is_fine(tmp_path: Path) -> None:
+    path = tmp_path / "edl.yaml"
+    path.write_bytes(b"\xef\xbb\xbflog_level: debug\n")
+    assert load_settings(file=str(path)).log_level == "debug"

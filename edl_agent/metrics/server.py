@@ -20,6 +20,8 @@ import structlog
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
+from edl_agent.address import parse_host_port
+
 # Idle keep-alive connections hold a thread each; drop them after this long.
 CONNECTION_TIMEOUT_SECONDS = 60.0
 SHUTDOWN_POLL_SECONDS = 0.1
@@ -34,25 +36,7 @@ def _always_ready() -> tuple[bool, str]:
 def parse_address(address: str) -> tuple[str, int]:
     """`:9400` (every interface), `127.0.0.1:9400`, `localhost:9400`, `[::1]:9400` →
     (host, port); host is "" for every interface. Raises ValueError naming the problem."""
-    host, colon, port_text = address.strip().rpartition(":")
-    if not colon:
-        raise ValueError(
-            f"metrics address {address!r} has no port; expected [host]:port such as :9400 "
-            "or 127.0.0.1:9400"
-        )
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-        if not host:
-            raise ValueError(f"metrics address {address!r} has empty brackets for its host")
-    elif ":" in host or "[" in host or "]" in host:
-        raise ValueError(
-            f"metrics address {address!r}: write an IPv6 host in brackets, e.g. [::1]:9400"
-        )
-    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
-        raise ValueError(
-            f"metrics address {address!r}: port {port_text!r} is not a number from 0 to 65535"
-        )
-    return host, int(port_text)
+    return parse_host_port(address)
 
 
 class _HTTPServer(ThreadingHTTPServer):
