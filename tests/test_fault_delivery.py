@@ -418,11 +418,11 @@ def test_stop_leaves_the_outbox_on_disk(tmp_path: Path) -> None:
         again.close()
 
 
-@pytest.fixture(scope="module")
-def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+def make_certificate(directory: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for edl-restarter.test and its key, in `directory`."""
     openssl = shutil.which("openssl")
     assert openssl, "the openssl CLI makes the test certificate"
-    directory = tmp_path_factory.mktemp("tls")
+    directory.mkdir(parents=True, exist_ok=True)
     subprocess.run(
         [openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
          "-nodes", "-keyout", "key.pem", "-out", "cert.pem", "-days", "1",
@@ -430,6 +430,11 @@ def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
         cwd=directory, check=True, capture_output=True, timeout=30,
     )  # fmt: skip
     return directory / "cert.pem", directory / "key.pem"
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return make_certificate(tmp_path_factory.mktemp("tls"))
 
 
 def test_tls(certificate: tuple[Path, Path], tmp_path: Path) -> None:
@@ -451,6 +456,55 @@ def test_tls(certificate: tuple[Path, Path], tmp_path: Path) -> None:
         outbox.close()
         restarter.server.stop(0)
     assert restarter.ids() == {"fault-1": 1}
+
+
+def tls_report(address: str, ca: Path, fault_: Fault) -> fault_pb2.ReportResponse:
+    """One Report over a new TLS connection that trusts only `ca`."""
+    credentials = grpc.ssl_channel_credentials(root_certificates=ca.read_bytes())
+    options = [("grpc.ssl_target_name_override", "edl-restarter.test")]
+    with grpc.secure_channel(address, credentials, options=options) as channel:
+        stub = fault_pb2_grpc.FaultIntakeStub(channel)  # type: ignore[no-untyped-call]
+        request = fault_pb2.ReportRequest(faults=[to_proto(fault_)])
+        metadata = [("authorization", "Bearer agent-a")]
+        return stub.Report(request, metadata=metadata, timeout=5)  # type: ignore[no-any-return]
+
+
+def test_a_renewed_certificate_serves_new_connections_without_a_restart(tmp_path: Path) -> None:
+    """The files are swapped as a Secret volume swaps them (a rename): the next connection gets
+    the new certificate; a pair that does not belong together is refused and the previous
+    certificate goes on serving."""
+    old_cert, old_key = make_certificate(tmp_path / "old")
+    new_cert, new_key = make_certificate(tmp_path / "new")
+    served = tmp_path / "served"
+    served.mkdir()
+    cert, key = served / "tls.crt", served / "tls.key"
+
+    def install(certificate: Path, private_key: Path) -> None:
+        for source, target in ((certificate, cert), (private_key, key)):
+            staged = target.with_suffix(".staged")
+            staged.write_bytes(source.read_bytes())
+            staged.rename(target)
+
+    install(old_cert, old_key)
+    restarter = Restarter(tls_cert=cert, tls_key=key)
+    restarter.server.start()
+    try:
+        tls_report(restarter.address, old_cert, fault(1))
+
+        install(new_cert, old_key)  # halfway: the new certificate with the old key
+        tls_report(restarter.address, old_cert, fault(2))
+        assert restarter.server.certificate is not None
+        assert restarter.server.certificate.reloads == 0
+
+        install(new_cert, new_key)
+        tls_report(restarter.address, new_cert, fault(3))
+        assert restarter.server.certificate.reloads == 1
+        with pytest.raises(grpc.RpcError) as old_trust:
+            tls_report(restarter.address, old_cert, fault(4))
+        assert old_trust.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        restarter.server.stop(0)
+    assert restarter.ids() == {"fault-1": 1, "fault-2": 1, "fault-3": 1}
 
 
 def test_tls_needs_both_halves(certificate: tuple[Path, Path]) -> None:

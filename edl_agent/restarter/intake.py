@@ -38,6 +38,7 @@ from edl_agent.restarter.auth import (
     caller_refusal,
     fault_refusal,
 )
+from edl_agent.restarter.server_tls import CertificateError, ReloadingCertificate
 
 log = structlog.get_logger(__name__)
 
@@ -204,6 +205,7 @@ class IntakeServer:
         self.listen = f"[::]{listen}" if listen.startswith(":") else listen
         self._tls = (tls_cert, tls_key) if tls_cert is not None and tls_key is not None else None
         self._workers = workers
+        self.certificate: ReloadingCertificate | None = None
         self._server: Any = None
         self._executor: futures.ThreadPoolExecutor | None = None
         self.port = 0
@@ -222,10 +224,9 @@ class IntakeServer:
                     log.warning("fault intake without TLS: tokens cross the network in clear")
                 port = server.add_insecure_port(self.listen)
             else:
-                cert, key = (path.read_bytes() for path in self._tls)
-                credentials = grpc.ssl_server_credentials([(key, cert)])
-                port = server.add_secure_port(self.listen, credentials)
-        except (OSError, RuntimeError) as exc:
+                self.certificate = ReloadingCertificate(*self._tls)
+                port = server.add_secure_port(self.listen, self.certificate.credentials())
+        except (OSError, RuntimeError, CertificateError) as exc:
             executor.shutdown(wait=False)
             msg = f"cannot serve the fault intake on {self.listen}: {exc}"
             raise IntakeError(msg) from None
