@@ -1,5 +1,5 @@
-"""Provide pinned etcd, kube-apiserver, kube-scheduler, kubectl, kubelet and kwok binaries, and
-our fake container runtime, for tests.
+"""Provide pinned etcd, kube-apiserver, kube-scheduler, kubectl, kubelet, kwok and helm binaries,
+and our fake container runtime, for tests.
 
 Resolution order for every binary:
 
@@ -12,7 +12,8 @@ Resolution order for every binary:
    after a version bump only compiles what changed.
 
 Measured on 2 cores with cold Go caches: etcd ~70 s, kube-apiserver ~260 s, then (sharing its
-compiled packages) kube-scheduler, kubectl and kubelet about a minute or two each, kwok ~135 s.
+compiled packages) kube-scheduler, kubectl and kubelet about a minute or two each, kwok ~135 s,
+helm ~80 s.
 
 Standard library only, so ``scripts/k8s-binaries`` runs with any Python >= 3.11.
 """
@@ -39,12 +40,18 @@ K8S_VERSION = "v1.36.3"
 # etcd v3.5.16 serves a v1.36 kube-apiserver (checked); kubeadm ships a 3.6 etcd with 1.36.
 ETCD_VERSION = "v3.5.16"
 KWOK_VERSION = "v0.8.0"
+# helm lints and renders the chart in deploy/helm (tests/cluster/test_helm_chart.py). Helm 3: the
+# chart (apiVersion v2) is for the Helm most installations run, and Helm 4 reads it too.
+HELM_VERSION = "v3.22.0"
+HELM_MODULE = "helm.sh/helm/v3"
 
 # kube-scheduler binds the pods of end-to-end tests; kubectl applies deploy/daemonset (-k);
 # kubelet runs the real nodes of scripts/test-node.
 KUBERNETES_COMMANDS = ("kube-apiserver", "kube-scheduler", "kubectl", "kubelet")
 FAKE_CRI = "edl-fake-cri"
-BINARIES = ("etcd", *KUBERNETES_COMMANDS, "kwok", FAKE_CRI)
+HELM = "helm"
+# Everything `scripts/k8s-binaries` provides when run without names (as scripts/test runs it).
+BINARIES = ("etcd", *KUBERNETES_COMMANDS, "kwok", FAKE_CRI, HELM)
 # What scripts/testcluster.py starts; the others are checked by the tests that use them.
 CONTROL_PLANE = ("etcd", "kube-apiserver", "kwok")
 
@@ -78,6 +85,7 @@ PINS = {
     "etcd": ETCD_VERSION,
     "kwok": KWOK_VERSION,
     FAKE_CRI: _source_version(FAKE_CRI_SOURCE),
+    HELM: HELM_VERSION,
 } | dict.fromkeys(KUBERNETES_COMMANDS, K8S_VERSION)
 GO_PROXY_DEFAULT = "https://proxy.golang.org"
 
@@ -369,25 +377,24 @@ def build_kwok() -> Path:
     logfile.write_text("")
     what = f"kwok {KWOK_VERSION}"
     log(f"building {what} with `go install` (1.5-2.5 min with cold Go caches; log {logfile})")
+    ldflags = f"-s -w -X sigs.k8s.io/kwok/pkg/consts.Version={KWOK_VERSION[1:]}"
+    package = f"sigs.k8s.io/kwok/cmd/kwok@{KWOK_VERSION}"
+    return _go_install(go, package, ldflags, work=work, what=what, name="kwok")
+
+
+def _go_install(go: str, package: str, ldflags: str, *, work: Path, what: str, name: str) -> Path:
+    """`go install PACKAGE` into WORK/bin with these linker flags, then into the bin dir."""
     gobin = work / "bin"
     gobin.mkdir(exist_ok=True)
-    ldflags = f"-s -w -X sigs.k8s.io/kwok/pkg/consts.Version={KWOK_VERSION[1:]}"
     with heartbeat(what):
         run_logged(
-            [
-                go,
-                "install",
-                "-trimpath",
-                "-ldflags",
-                ldflags,
-                f"sigs.k8s.io/kwok/cmd/kwok@{KWOK_VERSION}",
-            ],
+            [go, "install", "-trimpath", "-ldflags", ldflags, package],
             cwd=work,
-            logfile=logfile,
+            logfile=work / "build.log",
             what=what,
             env={"GOBIN": str(gobin)},
         )
-    return _install(gobin / "kwok", "kwok")
+    return _install(gobin / name, name)
 
 
 def copy_kwok_stages() -> Path:
@@ -427,10 +434,50 @@ def build_fake_cri() -> Path:
     return _install(work / FAKE_CRI, FAKE_CRI)
 
 
+def _required_version(module: str, version: str, requirement: str) -> str:
+    """The version of ``requirement`` that ``module``@``version``'s go.mod asks for."""
+    text = _fetch_text(f"{_proxy()}/{module}/@v/{version}.mod")
+    for raw in text.splitlines():
+        fields = raw.split()
+        if fields[:1] == ["require"]:  # a one-line `require path version`
+            fields = fields[1:]
+        if len(fields) >= 2 and fields[0] == requirement:
+            return fields[1]
+    raise BinariesError(f"{module}@{version}'s go.mod does not require {requirement}")
+
+
+def build_helm() -> Path:
+    """helm.sh/helm/v3/cmd/helm, stamped as helm's Makefile stamps a release: its version, and the
+    Kubernetes minor its client-go is for, which `helm template` reports as
+    .Capabilities.KubeVersion and `helm lint` checks deprecated APIs against."""
+    go = _go()
+    work = _scratch(HELM, HELM_VERSION)
+    logfile = work / "build.log"
+    logfile.write_text("")
+    what = f"helm {HELM_VERSION}"
+    client_go = _required_version(HELM_MODULE, HELM_VERSION, "k8s.io/client-go")  # v0.37.0
+    kube_minor = client_go.split(".")[1]
+    stamps = {
+        "internal/version.version": HELM_VERSION,
+        "internal/version.gitTreeState": "clean",
+        "pkg/chartutil.k8sVersionMajor": "1",
+        "pkg/chartutil.k8sVersionMinor": kube_minor,
+        "pkg/lint/rules.k8sVersionMajor": "1",
+        "pkg/lint/rules.k8sVersionMinor": kube_minor,
+    }
+    ldflags = " ".join(
+        ["-s -w"] + [f"-X {HELM_MODULE}/{var}={value}" for var, value in stamps.items()]
+    )
+    log(f"building {what} with `go install` (about 1.5 min with cold Go caches; log {logfile})")
+    package = f"{HELM_MODULE}/cmd/helm@{HELM_VERSION}"
+    return _go_install(go, package, ldflags, work=work, what=what, name=HELM)
+
+
 BUILDERS: dict[str, Callable[[], Path]] = {
     "etcd": build_etcd,
     "kwok": build_kwok,
     FAKE_CRI: build_fake_cri,
+    HELM: build_helm,
 } | {name: functools.partial(build_kubernetes_command, name) for name in KUBERNETES_COMMANDS}
 
 
@@ -446,14 +493,15 @@ def _lock() -> Iterator[None]:
         yield
 
 
-def ensure() -> dict[str, Path]:
-    """Make every binary and the kwok stages available; build what is missing."""
+def ensure(names: tuple[str, ...] = BINARIES) -> dict[str, Path]:
+    """Make ``names`` (default: every binary) available, and kwok's stages when kwok is among
+    them; build what is missing."""
     directory = bin_dir()
     directory.mkdir(parents=True, exist_ok=True)
     found: dict[str, Path] = {}
     timings: dict[str, float] = {}
     with _lock():
-        for name in BINARIES:
+        for name in names:
             path = find(name)
             if path is not None:
                 log(f"{name} {PINS[name]}: using {path}")
@@ -463,7 +511,7 @@ def ensure() -> dict[str, Path]:
             found[name] = BUILDERS[name]()
             timings[name] = time.monotonic() - started
             log(f"{name} {PINS[name]}: built {found[name]} in {timings[name]:.0f}s")
-        if stages_file() is None:
+        if "kwok" in names and stages_file() is None:
             copy_kwok_stages()
     if timings:
         summary = ", ".join(f"{name} {secs:.0f}s" for name, secs in timings.items())
@@ -476,12 +524,19 @@ def main(argv: list[str] | None = None) -> int:
         prog="scripts/k8s-binaries",
         description=(
             f"Provide etcd {ETCD_VERSION}, kube-apiserver, kube-scheduler, kubectl and kubelet "
-            f"{K8S_VERSION}, kwok {KWOK_VERSION} (plus kwok's stage files) and our fake "
-            f"container runtime (scripts/fakecri) for the test control plane and kubelet nodes "
-            f"in {bin_dir()} (override with EDL_K8S_BIN_DIR; etcd, kube-apiserver "
-            "and kubectl are also taken from $KUBEBUILDER_ASSETS). Missing ones are built from "
+            f"{K8S_VERSION}, kwok {KWOK_VERSION} (plus kwok's stage files), helm {HELM_VERSION} "
+            f"and our fake container runtime (scripts/fakecri) for the test control plane, "
+            f"kubelet nodes and the Helm chart in {bin_dir()} (override with EDL_K8S_BIN_DIR; "
+            "etcd, kube-apiserver and kubectl are also taken from $KUBEBUILDER_ASSETS). "
+            "Missing ones are built from "
             "the Go module proxy; the first build of all takes about 10 minutes on 2 cores."
         ),
+    )
+    parser.add_argument(
+        "names",
+        nargs="*",
+        metavar="NAME",
+        help=f"only these ({', '.join(BINARIES)}); default: all",
     )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--print-dir", action="store_true", help="print the bin dir; build nothing")
@@ -489,15 +544,19 @@ def main(argv: list[str] | None = None) -> int:
         "--check", action="store_true", help="exit 1 if anything is missing; build nothing"
     )
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.names) - set(BINARIES))
+    if unknown:
+        parser.error(f"unknown binary {', '.join(unknown)} (choose from {', '.join(BINARIES)})")
+    names = tuple(args.names) or BINARIES
     status = 0
     if args.check:
-        absent = missing()
+        absent = missing(names)
         if absent:
             log(f"missing in {bin_dir()}: {', '.join(absent)}; run scripts/k8s-binaries")
             status = 1
     elif not args.print_dir:
         try:
-            ensure()
+            ensure(names)
         except BinariesError as exc:
             log(f"ERROR: {exc}")
             status = 1

@@ -11,6 +11,9 @@ Fixtures:
   k8s                function: KwokCluster helper bound to a fresh namespace, cleaned after
   kubelet_nodes      function: starts real kubelet nodes (scripts/testnode.py) on the session's
                      control plane, stopped and removed after the test; marker ``kubelet``
+  kubectl            session: `kubectl` against the control plane, failing the test on an error
+  monitoring_crds    session: the Prometheus Operator's ServiceMonitor and PrometheusRule CRDs
+  cert_manager_crds  session: cert-manager's Issuer and Certificate CRDs (kube_tools.py)
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import re
 import secrets
 import shutil
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -38,6 +42,13 @@ import k8sbinaries  # noqa: E402
 import testcluster  # noqa: E402
 import testnode  # noqa: E402
 from k8s_test_helpers import KwokCluster  # noqa: E402
+from kube_tools import (  # noqa: E402
+    CERT_MANAGER_CRDS,
+    PROMETHEUS_OPERATOR_CRDS,
+    Kubectl,
+    install_crds,
+    kubectl_binary,
+)
 
 _startup: dict[str, float] = {}
 
@@ -157,3 +168,51 @@ def kubelet_nodes(k8s_control_plane: testcluster.ControlPlane) -> Iterator[Start
         assert not node.kubelet_alive(), f"kubelet of {node.name} survived its stop"
     for root in roots:
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def kubectl(
+    k8s_control_plane: testcluster.ControlPlane, tmp_path_factory: pytest.TempPathFactory
+) -> Kubectl:
+    """`kubectl --kubeconfig=<the test control plane>` (never ~/.kube), failing on an error."""
+    binary = kubectl_binary()
+    cache = tmp_path_factory.mktemp("kubectl-cache")
+
+    def run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            [
+                str(binary),
+                f"--kubeconfig={k8s_control_plane.kubeconfig}",
+                f"--cache-dir={cache}",
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=120,
+        )
+        if check and result.returncode != 0:
+            pytest.fail(
+                f"kubectl {' '.join(args)} exited {result.returncode}:\n"
+                f"{result.stdout}\n{result.stderr}",
+                pytrace=False,
+            )
+        return result
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def monitoring_crds(
+    kubectl: Kubectl, k8s_api_client: client.ApiClient, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    install_crds(
+        PROMETHEUS_OPERATOR_CRDS, kubectl, k8s_api_client, tmp_path_factory.mktemp("go-mod")
+    )
+
+
+@pytest.fixture(scope="session")
+def cert_manager_crds(
+    kubectl: Kubectl, k8s_api_client: client.ApiClient, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    install_crds(CERT_MANAGER_CRDS, kubectl, k8s_api_client, tmp_path_factory.mktemp("go-mod"))

@@ -12,7 +12,8 @@
 
 The Prometheus Operator's CRDs (ServiceMonitor, PrometheusRule) are taken from its Go module at a
 pinned version through the Go module proxy, cached in .cache/prometheus-operator/, and installed
-for real: a dry run of a ServiceMonitor needs its kind to exist.
+for real: a dry run of a ServiceMonitor needs its kind to exist (kube_tools.py, the fixture
+monitoring_crds).
 
 The control plane is shared by the whole session: the manifests' cluster-wide objects (the CRD,
 the ClusterRoles, the admission policy) and edl-system are applied with server-side apply and
@@ -33,13 +34,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import k8sbinaries
 import pytest
-import testcluster
 import yaml
 from k8s_test_helpers import KwokCluster, bound_tokens, wait_for
+from kube_tools import Kubectl, wait_established
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+from manifests import delete_workloads, dry_run_warnings, kubectl_name, kustomized
 
 from edl_agent import cli, log
 from edl_agent.config import FaultSettings, Settings
@@ -61,13 +62,6 @@ GROUP, VERSION, PLURAL = "edl.io", "v1alpha1", "faulttolerancepolicies"
 MERGE = "application/merge-patch+json"
 FORBIDDEN = 403
 
-PROMETHEUS_OPERATOR = "github.com/prometheus-operator/prometheus-operator"
-PROMETHEUS_OPERATOR_VERSION = "v0.85.0"
-MONITORING_CRDS = ("servicemonitors", "prometheusrules")
-MONITORING_CACHE = REPO / ".cache" / "prometheus-operator" / PROMETHEUS_OPERATOR_VERSION
-
-Kubectl = Callable[..., subprocess.CompletedProcess[str]]
-
 
 def documents(path: Path) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
@@ -79,26 +73,7 @@ def find(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
 
 def built() -> list[dict[str, Any]]:
     """What `kubectl kustomize deploy/daemonset` renders, read without a cluster."""
-    result = subprocess.run(
-        [str(kubectl_binary()), "kustomize", str(DEPLOY)],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=60,
-    )
-    assert result.returncode == 0, result.stderr
-    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
-
-
-def kubectl_binary() -> Path:
-    path = k8sbinaries.find("kubectl")
-    if path is None:
-        pytest.fail(
-            f"kubectl {k8sbinaries.K8S_VERSION} is not in {k8sbinaries.bin_dir()}: run "
-            "scripts/k8s-binaries (or put it in $KUBEBUILDER_ASSETS)",
-            pytrace=False,
-        )
-    return path
+    return kustomized(DEPLOY)
 
 
 def status_of(call: Callable[[], object]) -> int:
@@ -138,103 +113,6 @@ def sa_client(admin: client.ApiClient, token: str) -> client.ApiClient:
 
 
 @pytest.fixture(scope="module")
-def kubectl(
-    k8s_control_plane: testcluster.ControlPlane, tmp_path_factory: pytest.TempPathFactory
-) -> Kubectl:
-    """`kubectl --kubeconfig=<the test control plane>` (never ~/.kube), failing on an error."""
-    binary = kubectl_binary()
-    cache = tmp_path_factory.mktemp("kubectl-cache")
-
-    def run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        result = subprocess.run(
-            [
-                str(binary),
-                f"--kubeconfig={k8s_control_plane.kubeconfig}",
-                f"--cache-dir={cache}",
-                *args,
-            ],
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=120,
-        )
-        if check and result.returncode != 0:
-            pytest.fail(
-                f"kubectl {' '.join(args)} exited {result.returncode}:\n"
-                f"{result.stdout}\n{result.stderr}",
-                pytrace=False,
-            )
-        return result
-
-    return run
-
-
-def monitoring_crd_files(workdir: Path) -> list[Path]:
-    """The Prometheus Operator's ServiceMonitor and PrometheusRule CRDs at the pinned version,
-    from its module on the Go module proxy (`go mod download`), cached in .cache/."""
-    files = [
-        MONITORING_CACHE / f"monitoring.coreos.com_{plural}.yaml" for plural in MONITORING_CRDS
-    ]
-    if all(path.is_file() for path in files):
-        return files
-    go = shutil.which("go")
-    if go is None:
-        pytest.fail(
-            "the Go toolchain is needed once to fetch the Prometheus Operator's CRDs "
-            f"({PROMETHEUS_OPERATOR}@{PROMETHEUS_OPERATOR_VERSION}) into {MONITORING_CACHE}",
-            pytrace=False,
-        )
-    module = f"{PROMETHEUS_OPERATOR}@{PROMETHEUS_OPERATOR_VERSION}"
-    result = subprocess.run(
-        [go, "mod", "download", "-json", module],
-        cwd=workdir,  # outside any module: nothing to resolve against
-        env={**os.environ, "GO111MODULE": "on", "GOFLAGS": "-mod=mod"},
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=300,
-    )
-    try:
-        source = Path(json.loads(result.stdout)["Dir"]) / "example" / "prometheus-operator-crd"
-    except (ValueError, KeyError):
-        pytest.fail(f"go mod download {module} failed: {result.stderr or result.stdout}")
-    MONITORING_CACHE.mkdir(parents=True, exist_ok=True)
-    for path in files:
-        partial = path.with_suffix(".partial")
-        shutil.copyfile(source / path.name, partial)
-        partial.replace(path)
-    return files
-
-
-@pytest.fixture(scope="module")
-def monitoring_crds(
-    kubectl: Kubectl, k8s_api_client: client.ApiClient, tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    """The CRDs installed for real (server-side apply: the operator's CRDs are too big for
-    kubectl's last-applied annotation) and Established."""
-    files = monitoring_crd_files(tmp_path_factory.mktemp("go-mod"))
-    args = [arg for path in files for arg in ("-f", str(path))]
-    kubectl(
-        "apply", "--server-side", "--force-conflicts", f"--field-manager={FIELD_MANAGER}", *args
-    )
-    extensions = client.ApiextensionsV1Api(k8s_api_client)
-    for plural in MONITORING_CRDS:
-        wait_established(extensions, f"{plural}.monitoring.coreos.com")
-
-
-def wait_established(extensions: client.ApiextensionsV1Api, name: str) -> None:
-    wait_for(
-        f"CRD {name} Established",
-        lambda: extensions.read_custom_resource_definition(name),
-        lambda crd: any(
-            c.type == "Established" and c.status == "True"
-            for c in (crd.status and crd.status.conditions) or []
-        ),
-        timeout=30,
-    )
-
-
-@pytest.fixture(scope="module")
 def deployed(
     kubectl: Kubectl, monitoring_crds: None, k8s_api_client: client.ApiClient
 ) -> Iterator[None]:
@@ -250,17 +128,7 @@ def deployed(
     )
     wait_established(client.ApiextensionsV1Api(k8s_api_client), f"{PLURAL}.{GROUP}")
     yield
-    # The workloads go (a controller-manager started by a later test would run them); the
-    # namespace, RBAC, admission policy and CRD stay: other tests share them.
-    kubectl(
-        "delete",
-        "-n",
-        NAMESPACE,
-        "--ignore-not-found",
-        "--wait=false",
-        "daemonset/edl-agent",
-        "deployment/edl-restarter",
-    )
+    delete_workloads(kubectl)
 
 
 @pytest.fixture
@@ -295,12 +163,6 @@ def dry_run_lines(result: subprocess.CompletedProcess[str]) -> list[str]:
     return [line for line in result.stdout.splitlines() if line.strip()]
 
 
-def kubectl_name(doc: dict[str, Any]) -> str:
-    """How kubectl names an object in its output: `daemonset.apps/edl-agent`, `service/x`."""
-    group = doc["apiVersion"].rpartition("/")[0]
-    return f"{doc['kind'].lower()}{'.' + group if group else ''}/{doc['metadata']['name']}"
-
-
 def test_the_kustomization_passes_a_server_side_dry_run(
     kubectl: Kubectl, monitoring_crds: None
 ) -> None:
@@ -313,14 +175,7 @@ def test_the_kustomization_passes_a_server_side_dry_run(
     lines = dry_run_lines(result)
     assert all(line.endswith("(server dry run)") for line in lines), result.stdout
     assert {line.split()[0] for line in lines} == {kubectl_name(doc) for doc in built()}
-    # No deprecated API, no Pod Security warning, no unknown field. (Objects other tests or the
-    # real apply made without kubectl's client-side apply draw a note that is no fault of ours.)
-    warnings = [
-        line
-        for line in result.stderr.splitlines()
-        if "Warning" in line and "last-applied-configuration annotation" not in line
-    ]
-    assert not warnings, result.stderr
+    assert not dry_run_warnings(result.stderr), result.stderr
 
 
 def test_the_privileged_patch_passes_a_server_side_dry_run(
