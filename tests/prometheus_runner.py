@@ -76,15 +76,24 @@ class Prometheus:
 
 
 @contextlib.contextmanager
-def running_prometheus(targets: list[str], workdir: Path, job: str = "edl") -> Iterator[Prometheus]:
-    """Prometheus scraping `targets` (host:port on loopback) every second until the block ends."""
+def running_prometheus(
+    targets: list[str],
+    workdir: Path,
+    job: str = "edl",
+    *,
+    scrape_configs: list[dict[str, Any]] | None = None,
+) -> Iterator[Prometheus]:
+    """Prometheus scraping `targets` (host:port on loopback) every second until the block ends;
+    `scrape_configs` (Prometheus's own, for labels and relabelling) replace `targets` and `job`."""
     prometheus = need("prometheus")
+    if scrape_configs is None:
+        scrape_configs = [{"job_name": job, "static_configs": [{"targets": targets}]}]
     config = workdir / "prometheus.yml"
     config.write_text(
         json.dumps(  # JSON is YAML
             {
                 "global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
-                "scrape_configs": [{"job_name": job, "static_configs": [{"targets": targets}]}],
+                "scrape_configs": scrape_configs,
             }
         )
     )
