@@ -95,7 +95,7 @@ def test_root_with_apt_installs_the_packages_and_check_never_does(tmp_path: Path
     assert installed.returncode == 2
     assert calls.read_text().splitlines() == [
         "update -qq",
-        "install -y -qq --no-install-recommends prometheus",
+        "install -y -qq -o Dpkg::Use-Pty=0 --no-install-recommends prometheus",
     ]
     assert installed.stderr.splitlines() == [
         "scripts/test-deps: installing prometheus (missing: prometheus promtool)",
