@@ -51,6 +51,7 @@ from edl_agent.metrics.collectors import EdlCollector, build_registry
 from edl_agent.metrics.inputs import AgentCounts, HealthCounts
 from edl_agent.metrics.podresources import PodResourcesClient
 from edl_agent.metrics.server import MetricsServer
+from edl_agent.plugin.dirwatch import DirectoryWatch
 from edl_agent.plugin.manager import PluginManager
 from edl_agent.plugin.state import DeviceState
 
@@ -70,10 +71,23 @@ class _Schedule:
         return True
 
 
+class StopSignal(threading.Event):
+    """The agent's stop flag; setting it also ends the run loop's wait for its next tick, which
+    other things (a change in kubelet's directory) end too through `wake`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wake = threading.Event()
+
+    def set(self) -> None:
+        super().set()
+        self.wake.set()
+
+
 @dataclass
 class Agent:
     settings: Settings
-    stop: threading.Event = field(default_factory=threading.Event)
+    stop: StopSignal = field(default_factory=StopSignal)
     step_failures: Counter[str] = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
@@ -116,12 +130,18 @@ class Agent:
             resources=sorted(self.state.snapshot().resources),
         )
         self._start_nvml_watcher()
+        # A change in kubelet's directory (a kubelet restart) makes the next tick come at once.
+        wake = self.stop.wake
+        directory_watch = DirectoryWatch(self.plugins.directory, wake.set)
         try:
+            directory_watch.start()
             while not self.stop.is_set():
                 self.tick(time.monotonic())
                 self._ready.set()
-                self.stop.wait(TICK_SECONDS)
+                wake.wait(TICK_SECONDS)
+                wake.clear()
         finally:
+            directory_watch.stop()
             if self.nvml is not None:
                 self.nvml.stop()
             if self.publisher is not None:

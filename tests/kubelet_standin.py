@@ -59,8 +59,8 @@ class KubeletStandIn:
         """What kubelet does when it restarts: every socket in its directory goes, then a new
         kubelet.sock appears."""
         self.stop()
-        for path in self.directory.glob("*.sock"):
-            path.unlink()
+        for path in list(self.directory.glob("*.sock")):  # names read first, as kubelet does
+            path.unlink(missing_ok=True)
         self.start()
 
     @property

@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 import pytest
 
+from edl_agent import agent as agent_module
 from edl_agent._proto.deviceplugin.v1beta1 import api_pb2
 from edl_agent.agent import Agent
 from edl_agent.config import load_settings
@@ -305,6 +306,20 @@ def test_kubelet_restarts_re_register_without_leaks(tmp_path: Path) -> None:
         assert threading.active_count() <= threads + 2
         assert _fds() <= fds + 8
         assert node.agent.plugins.counters.server_restarts >= 100 * len(resources)
+
+
+def test_a_kubelet_restart_is_acted_on_when_its_socket_appears_not_at_the_next_tick(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a tick far longer than the test may wait, only the watch on kubelet's directory can
+    bring the re-registration in time."""
+    monkeypatch.setattr(agent_module, "TICK_SECONDS", 120.0)
+    with running_node(tmp_path, "dgx-h100") as node:
+        node.kubelet.wait_registered(node.resources)
+        for _ in range(3):
+            seen = len(node.kubelet.registrations)
+            node.kubelet.restart()
+            node.kubelet.wait_registered(node.resources, after=seen, timeout=20)
 
 
 def test_registration_retries_until_kubelet_appears(tmp_path: Path) -> None:

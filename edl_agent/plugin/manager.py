@@ -122,6 +122,8 @@ class PluginManager:
             attempt = plugin.registration
             if attempt.done or now < attempt.due:
                 continue
+            if not plugin.server.serving():  # removed since this sync looked: served anew first
+                continue
             try:
                 register(
                     self.kubelet_socket,

@@ -78,7 +78,10 @@ class PluginServer:
         api_pb2_grpc.add_DevicePluginServicer_to_server(self.service, self._server)  # type: ignore[no-untyped-call]
         self._server.add_insecure_port(f"unix://{self.path}")
         self._server.start()
-        self._inode = self.path.stat().st_ino
+        try:
+            self._inode = self.path.stat().st_ino
+        except FileNotFoundError:  # removed at once (kubelet cleaning up): not serving, redone
+            self._inode = None
 
     def serving(self) -> bool:
         """False when our socket file is gone or replaced (kubelet removes them on restart)."""
