@@ -55,6 +55,7 @@ def main() -> int:
                 "host_root": str(tree),
                 "plugin": {"kubelet_dir": str(kubelet.directory)},
                 "sharing": [{"resource": RESOURCE, "replicas": REPLICAS}],
+                "faults": {"state_dir": str(Path(tmp) / "state")},
             }
         )
         agent = Agent(settings)

@@ -1,10 +1,13 @@
-"""The node agent's supervisor: one loop that owns the periodic parts and keeps each alive.
+"""The node agent: its parts under one supervisor, and the health stream that joins them.
 
-Each step (plugin sync, device-node presence, vendor health polls, recovery, re-discovery) runs
-guarded: an exception is logged with its traceback, counted, and the step is tried again on a
-later tick — one broken part never stops the others. The gRPC servers and the NVML event watcher
-run on their own threads; health events from any of them go through `report()`, the one health
-stream that feeds the device plugin (ListAndWatch wakes at once) and the metrics.
+Every long-running job is a part of `edl_agent.supervisor` with its own thread: `plugins` (kubelet
+registration and servers, device-node presence, quiet periods), `rediscovery`, one
+`poll-<vendor>` per polled vendor, `reset-evidence` (NVML reset marks, the boot id),
+`remediation` (opt-in), and the threads of the NVML watcher, node publisher, fault sender,
+pod-exit watcher and metrics server, watched. A part that dies is logged, counted and started
+again after a backoff; a hung vendor tool holds up only its own part. Health events from any
+part go through `report()`, the one health stream that feeds the device plugin (ListAndWatch
+wakes at once), the node publisher, the quarantine file and the metrics.
 
 Fault reports (`start_faults`): a device that turns Unhealthy while pods hold it (kubelet's
 pod-resources API; shares count for their physical device) becomes a DEVICE_UNHEALTHY fault
@@ -17,6 +20,7 @@ under `faults.state_dir`, which a sender delivers to the restarter; with no
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import time
 from collections import Counter
@@ -28,25 +32,51 @@ from pathlib import Path
 import structlog
 
 from edl_agent.config import Settings
+from edl_agent.devices.carry import carry_forward
 from edl_agent.devices.discovery import discover_node
 from edl_agent.devices.hostroot import HostRoot
-from edl_agent.devices.model import Device, Health, Inventory, Vendor
-from edl_agent.devices.resources import advertised_resources
+from edl_agent.devices.model import Vendor
 from edl_agent.faults.ids import device_unhealthy_id
 from edl_agent.faults.model import Fault, FaultKind, PodRef
 from edl_agent.faults.outbox import Outbox, OutboxError
 from edl_agent.faults.pod_exits import PodExitWatcher
 from edl_agent.faults.sender import Sender, SenderSettings
-from edl_agent.health.classify import classify_xid
-from edl_agent.health.model import DeviceTelemetry, HealthEvent, Level
+from edl_agent.health.classify import classify_xid, what_clears
+from edl_agent.health.model import (
+    ClearsBy,
+    DeviceTelemetry,
+    Evidence,
+    HealthEvent,
+    Level,
+    ends,
+)
+from edl_agent.health.nvml_reset import (
+    Baseline,
+    read_baselines,
+)
 from edl_agent.health.nvml_telemetry import NvmlTelemetry
 from edl_agent.health.nvml_watch import GPU_LOST, NvmlWatcher
-from edl_agent.health.polled import POLLERS, poll
+from edl_agent.health.polled import POLLERS, PollResult, poll
 from edl_agent.health.presence import vanished
+from edl_agent.health.quarantine_store import Quarantine, QuarantineStore, read_boot_id
+from edl_agent.health.remediation import (
+    Attempt,
+    History,
+    Outcome,
+    Remediator,
+    choose,
+    held_ids,
+    record,
+    validate_reset,
+)
+from edl_agent.health.reset_evidence import check_resets, waiting_for_reset
 from edl_agent.health.tracker import UNHEALTHY, Condition, HealthTracker, Transition
 from edl_agent.kube import KubeApi
-from edl_agent.labels.cordon import Cordon
+from edl_agent.labels.condition import device_name
+from edl_agent.labels.cordon import RELEASE_DEVICES, Cordon
+from edl_agent.labels.events import NORMAL, WARNING, EventSpec
 from edl_agent.labels.publisher import NodePublisher
+from edl_agent.log_limit import LogLimiter
 from edl_agent.metrics.collectors import EdlCollector, build_registry
 from edl_agent.metrics.inputs import AgentCounts, HealthCounts
 from edl_agent.metrics.podresources import PodResourcesClient
@@ -54,9 +84,12 @@ from edl_agent.metrics.server import MetricsServer
 from edl_agent.plugin.dirwatch import DirectoryWatch
 from edl_agent.plugin.manager import PluginManager
 from edl_agent.plugin.state import DeviceState
+from edl_agent.supervisor import Every, Supervisor, Watched
 
 TICK_SECONDS = 0.25
 NODE_VANISHED = "NODE_VANISHED"
+DEVICE_GONE = "DEVICE_GONE"
+DISCOVERY_FAILED = "DISCOVERY_FAILED"
 
 
 @dataclass
@@ -72,16 +105,26 @@ class _Schedule:
 
 
 class StopSignal(threading.Event):
-    """The agent's stop flag; setting it also ends the run loop's wait for its next tick, which
-    other things (a change in kubelet's directory) end too through `wake`."""
+    """The agent's stop flag; setting it also ends every part's wait for its next round: the
+    plugin tick's `wake` (which a change in kubelet's directory sets too) and each `waker()`."""
 
     def __init__(self) -> None:
         super().__init__()
         self.wake = threading.Event()
+        self._wakes = [self.wake]
+
+    def waker(self) -> threading.Event:
+        """A wake-up event of one part, set by `set()` too."""
+        event = threading.Event()
+        self._wakes.append(event)
+        if self.is_set():
+            event.set()
+        return event
 
     def set(self) -> None:
         super().set()
-        self.wake.set()
+        for event in self._wakes:
+            event.set()
 
 
 @dataclass
@@ -99,17 +142,42 @@ class Agent:
         self.plugins = PluginManager(
             settings=self.settings.plugin, state=self.state, root=self.root
         )
-        self.tracker = HealthTracker(quiet_seconds=self.settings.health.quiet_seconds)
+        health = self.settings.health
+        self.tracker = HealthTracker(
+            quiet_seconds=health.quiet_seconds,
+            clears_by=lambda event: what_clears(
+                event,
+                xid_overrides=health.xid_clears_by,
+                ascend_overrides=health.ascend_code_clears_by,
+            ),
+        )
         self._health_lock = threading.Lock()
+        self._event_log = LogLimiter(interval=EVENT_LOG_SECONDS)
+        self.boot_id = read_boot_id(self.root.read_optional)
+        self._store = (
+            QuarantineStore(Path(self.settings.faults.state_dir) / "health")
+            if self.settings.faults.state_dir
+            else None
+        )
+        self._baselines: dict[str, Baseline] = {}
+        self._quarantine_keys: frozenset[tuple[str, str, str]] = frozenset()
+        self._restore_quarantine()
+        self._remediation = Remediator(
+            self.root,
+            health.remediation,
+            validate=lambda device: validate_reset(self.root, device, health),
+        )
+        self._remediation_history = History()
+        self.remediations: Counter[tuple[str, str]] = Counter()  # (vendor, result)
         self._vanished: frozenset[str] = frozenset()
+        self._gone: frozenset[str] = frozenset()
+        self._discovery_failed: frozenset[Vendor] = frozenset()
         self.polled_telemetry: dict[Vendor, list[DeviceTelemetry]] = {}
         self.nvml: NvmlWatcher | None = None
         self._presence = _Schedule(self.settings.plugin.health_poll_seconds)
-        self._polls = _Schedule(self.settings.health.poll_seconds)
-        self._rediscovery = _Schedule(
-            self.settings.plugin.rediscover_seconds,
-            due=time.monotonic() + self.settings.plugin.rediscover_seconds,
-        )
+        self.supervisor = Supervisor(self.stop)
+        self._rediscover_now = self.stop.waker()
+        self.rediscoveries = 0
         self._ready = threading.Event()
         self.metrics: MetricsServer | None = None
         self._pods = PodResourcesClient(Path(self.settings.pod_resources_socket))
@@ -130,18 +198,17 @@ class Agent:
             resources=sorted(self.state.snapshot().resources),
         )
         self._start_nvml_watcher()
+        self._add_parts()
         # A change in kubelet's directory (a kubelet restart) makes the next tick come at once.
-        wake = self.stop.wake
-        directory_watch = DirectoryWatch(self.plugins.directory, wake.set)
+        directory_watch = DirectoryWatch(self.plugins.directory, self.stop.wake.set)
         try:
             directory_watch.start()
-            while not self.stop.is_set():
-                self.tick(time.monotonic())
-                self._ready.set()
-                wake.wait(TICK_SECONDS)
-                wake.clear()
+            self.supervisor.start()
+            self.stop.wait()
         finally:
             directory_watch.stop()
+            self.stop.set()
+            self.supervisor.join()
             if self.nvml is not None:
                 self.nvml.stop()
             if self.publisher is not None:
@@ -161,8 +228,11 @@ class Agent:
             root=self.root,
             unhealthy=self.unhealthy,
             on_cordon=self.set_cordon,
+            on_release=self.release,
+            monitors=self.monitor_failures,
         )
         self.publisher.start()
+        self.supervisor.add(Watched("node-publisher", self.publisher), critical=False)
 
     def start_faults(self, api: KubeApi | None) -> None:
         """Report faults: open the outbox and start its sender (when a restarter is configured)
@@ -188,6 +258,7 @@ class Agent:
                 raise
             self.outbox, self.sender = outbox, sender
             sender.start()
+            self.supervisor.add(Watched("fault-sender", sender), critical=False)
             self._log.info(
                 "reporting faults to the restarter",
                 address=settings.restarter_address,
@@ -200,6 +271,7 @@ class Agent:
         if api is not None:
             self.pod_exits = PodExitWatcher(api, node, self.report_fault)
             self.pod_exits.start()
+            self.supervisor.add(Watched("pod-exits", self.pod_exits), critical=False)
 
     def stop_faults(self) -> None:
         """Stop watching and sending; pending faults stay in the outbox on disk."""
@@ -278,6 +350,33 @@ class Agent:
             unknown=list(cordon.unknown) or None,
         )
 
+    def release(self, released: Cordon) -> None:
+        """An operator released these devices (`edl.io/release-devices`): every quarantine of
+        theirs ends, whatever it waited for."""
+        with self._health_lock:
+            changes = self.tracker.clear(released.device_ids, Evidence.RELEASE)
+            for device_id in released.device_ids:
+                self._baselines.pop(device_id, None)
+            self._publish(changes)
+            self._save_quarantine()
+        if changes:
+            names = ", ".join(c.device_id for c in changes)
+            self._announce(NORMAL, "AcceleratorReleased", f"released by an operator: {names}")
+        self._log.warning(
+            "devices released by an operator",
+            released=sorted(released.device_ids) or None,
+            back_in_service=[c.device_id for c in changes] or None,
+            unknown=list(released.unknown) or None,
+        )
+
+    def _announce(self, kind: str, reason: str, message: str) -> None:
+        if self.publisher is not None:
+            self.publisher.announce(EventSpec(kind, reason, message))
+
+    def monitor_failures(self) -> dict[Vendor, Condition]:
+        with self._health_lock:
+            return dict(self.tracker.monitor_failures())
+
     def start_metrics(self) -> None:
         """Serve /metrics, /healthz and /readyz; OSError when the address cannot be bound."""
         if not self.settings.metrics_addr:
@@ -295,6 +394,7 @@ class Agent:
             self.settings.metrics_addr, build_registry(collector), ready=self.ready
         )
         self.metrics.start()
+        self.supervisor.add(Watched("metrics", self.metrics), critical=False)
 
     def stop_metrics(self) -> None:
         if self.metrics is not None:
@@ -314,10 +414,21 @@ class Agent:
     def _health_counts(self) -> HealthCounts:
         with self._health_lock:
             counts = self.tracker.counts
+            failing = self.tracker.monitor_failures()
+            devices = self.state.snapshot().inventory.devices
             return HealthCounts(
                 xid_errors=dict(counts.xid_errors),
                 transitions=dict(counts.transitions),
                 events=dict(counts.events),
+                quarantined=frozenset(
+                    (device_id, c.reason, c.clears_by.value)
+                    for device_id in self.tracker.unhealthy(devices)
+                    for c in self.tracker.conditions(device_id)
+                ),
+                monitors={
+                    r.vendor.value: r.vendor not in failing
+                    for r in self.state.snapshot().inventory.reports
+                },
             )
 
     def _agent_counts(self) -> AgentCounts:
@@ -329,7 +440,21 @@ class Agent:
             registration_failures=plugin.registration_failures,
             plugin_server_restarts=plugin.server_restarts,
             step_failures=dict(self.step_failures),
+            remediations=self._remediation_counts(),
+            parts={p.name: (p.up, p.restarts) for p in self.supervisor.statuses()},
         )
+
+    def _remediation_counts(self) -> dict[tuple[str, str], int]:
+        settings = self.settings.health.remediation
+        if not settings.enabled:
+            return dict(self.remediations)
+        vendors = {r.vendor.value for r in self.state.snapshot().inventory.reports}
+        zeros = {
+            (vendor, result): 0
+            for vendor in vendors & settings.commands.keys()
+            for result in ("reset", "failed", "escalated")
+        }
+        return zeros | dict(self.remediations)
 
     def wait_ready(self, timeout: float) -> bool:
         """True once the first tick has served every resource (for embedding and tests)."""
@@ -337,7 +462,8 @@ class Agent:
 
     def ready(self) -> tuple[bool, str]:
         """Readiness for /readyz: every vendor's monitor works and the plugins are served."""
-        failed = self.tracker.vendor_conditions()
+        with self._health_lock:
+            failed = self.tracker.monitor_failures()
         if failed:
             reasons = ", ".join(f"{v.value}: {c.reason}" for v, c in failed.items())
             return False, f"health monitor failing ({reasons})"
@@ -345,7 +471,7 @@ class Agent:
             return False, "NVML event loop not running"
         if not self._ready.is_set():
             return False, "starting"
-        return True, "ok"
+        return self.supervisor.ready()
 
     def report(self, event: HealthEvent) -> None:
         """The health stream: any watcher or poller, any thread."""
@@ -356,7 +482,9 @@ class Agent:
         with self._health_lock:
             devices = self.state.snapshot().inventory.devices
             changes = self.tracker.observe(event, devices)
-            self._publish(changes)
+            if changes:
+                self._publish(changes)
+            self._save_quarantine()
             turned: list[tuple[str, Condition]] = []
             if self._faults_on and any(c.to == UNHEALTHY for c in changes):
                 conditions = self.tracker.unhealthy(devices)
@@ -368,16 +496,21 @@ class Agent:
         if turned:
             self._guarded("device_faults", lambda: self._device_faults(turned))
         if event.level is not Level.IGNORE or changes:
-            self._log.log(
-                30 if event.level.unhealthy and not event.cleared else 20,
-                "health event",
-                vendor=event.vendor.value,
-                device=event.device_id,
-                reason=event.reason,
-                severity=event.level.value,
-                cleared=event.cleared or None,
-                detail=event.detail or None,
-            )
+            # A flood of one fault logs its first line, then one line per interval with the
+            # number held back; the counters count every event.
+            held_back = self._event_log.allow((event.device_id, event.reason, event.cleared))
+            if held_back is not None or changes:
+                self._log.log(
+                    30 if event.level.unhealthy and not event.cleared else 20,
+                    "health event",
+                    vendor=event.vendor.value,
+                    device=event.device_id,
+                    reason=event.reason,
+                    severity=event.level.value,
+                    cleared=event.cleared or None,
+                    detail=event.detail or None,
+                    repeats_not_logged=held_back or None,
+                )
 
     def unhealthy(self) -> dict[str, Condition]:
         """Unhealthy devices and why (events and vanished device nodes)."""
@@ -385,13 +518,10 @@ class Agent:
             return self.tracker.unhealthy(self.state.snapshot().inventory.devices)
 
     def tick(self, now: float) -> None:
+        """The plugin part's round: device-node presence, quiet periods, kubelet's servers."""
         if self._presence.take(now):
             self._guarded("presence", lambda: self._check_presence(now))
-        if self._polls.take(now):
-            self._guarded("vendor_health", self._poll_vendors)
         self._guarded("recovery", lambda: self._expire(now))
-        if self._rediscovery.take(now):
-            self._guarded("rediscovery", self._rediscover)
         self._guarded("plugins", self.plugins.sync)
 
     def _start_nvml_watcher(self) -> None:
@@ -424,62 +554,309 @@ class Agent:
                 self.report(event)
         if back:
             with self._health_lock:
-                self._publish(self.tracker.sound(back, devices, reasons={NODE_VANISHED}))
-        self._rediscovery.due = now  # /dev changed: look at the whole node again
+                self._publish(self.tracker.clear(back, Evidence.GONE, reasons={NODE_VANISHED}))
+        self._rediscover_now.set()  # /dev changed: look at the whole node again
 
-    def _poll_vendors(self) -> None:
-        inventory = self.state.snapshot().inventory
-        for report in inventory.reports:
-            if report.vendor not in POLLERS or not report.devices:
-                continue
-            result = poll(report.vendor, self.root, report.devices, self.settings.health)
-            self.polled_telemetry[report.vendor] = result.telemetry
-            for event in result.events:
-                self.report(event)
+    def _poll_vendor(self, vendor: Vendor) -> None:
+        """One poll of one vendor's tool (its own part: a hung tool holds up nothing else)."""
+        devices = [d for d in self.state.snapshot().inventory.devices if d.vendor is vendor]
+        if not devices:
+            return
+        result = poll(vendor, self.root, devices, self.settings.health)
+        self.polled_telemetry[vendor] = result.telemetry
+        for event in result.events:
+            self.report(event)
+        self._poll_evidence(result)
+
+    def _poll_evidence(self, result: PollResult) -> None:
+        """What a working poll shows is over. The vendors' drivers hold a reset-class fault
+        (an NPU's RestartNPU code, an XPU/DCU `Fault` state, a volatile ECC count) until the
+        device is reset, so a device the tool reads clean again was reset: that is the evidence
+        (conditions that wait for a reboot or a person stay)."""
+        if not result.ok:
+            return
+        reported: dict[str, set[str]] = {}
+        for event in result.events:
+            if event.device_id is not None and event.level.unhealthy:
+                reported.setdefault(event.device_id, set()).add(event.reason)
+        with self._health_lock:
+            self.tracker.monitor_ok(result.vendor)
+            changes: list[Transition] = []
+            for device_id in result.checked:
+                over = {
+                    c.reason
+                    for c in self.tracker.conditions(device_id)
+                    if c.reason.startswith(POLLED_REASON_PREFIXES)
+                    and c.reason not in reported.get(device_id, set())
+                }
+                if over:
+                    changes += self.tracker.clear([device_id], Evidence.RESET, reasons=over)
+            if changes:
+                self._publish(changes)
+                self._save_quarantine()
+
+    def _check_resets(self) -> None:
+        """Look for evidence that quarantined NVIDIA devices were reset (NVML) and that the node
+        rebooted (its boot id) while this agent ran."""
+        boot_id = read_boot_id(self.root.read_optional)
+        if boot_id is not None and self.boot_id is not None and boot_id != self.boot_id:
+            self._log.warning("node rebooted (new boot id)", was=self.boot_id, now=boot_id)
+            self.boot_id = boot_id
+            with self._health_lock:
+                self._baselines.clear()
+                self._publish(self.tracker.reboot())
+                self._save_quarantine(force=True)
+        devices = self.state.snapshot().inventory.devices
+        with self._health_lock:
+            waiting = waiting_for_reset(self.tracker.quarantined(), devices)
+        if not waiting:
+            return
+        readings = read_baselines(self.root, set(waiting.values()))
+        with self._health_lock:
+            check = check_resets(waiting, self._baselines, readings)
+            self._baselines = dict(check.baselines)
+            changes = self.tracker.clear(check.reset, Evidence.RESET) if check.reset else []
+            if changes:
+                self._publish(changes)
+            self._save_quarantine(force=bool(check.reset) or readings != {})
+
+    def _add_parts(self) -> None:
+        """Every periodic job is a part of its own under the supervisor: a vendor tool that
+        hangs in a poll or in re-discovery delays neither the other vendors nor kubelet's
+        registration (the `plugins` part)."""
+        health = self.settings.health
+        parts = self.supervisor
+        parts.add(Every("plugins", lambda: TICK_SECONDS, self._plugins_step, self.stop.wake))
+        parts.add(
+            Every(
+                "rediscovery",
+                lambda: self.settings.plugin.rediscover_seconds,
+                self._rediscover_step,
+                self._rediscover_now,
+            )
+        )
+        for report in self.state.snapshot().inventory.reports:
+            if report.vendor in POLLERS:
+                parts.add(
+                    Every(
+                        f"poll-{report.vendor.value}",
+                        lambda: health.poll_seconds,
+                        functools.partial(self._poll_vendor, report.vendor),
+                        self.stop.waker(),
+                    )
+                )
+        parts.add(
+            Every(
+                "reset-evidence", lambda: health.poll_seconds, self._check_resets, self.stop.waker()
+            )
+        )
+        if self.nvml is not None:
+            parts.add(Watched("nvml-watch", self.nvml), critical=False)
+        if health.remediation.enabled:
+            self._log.info(
+                "remediation on: idle devices waiting for a reset are reset",
+                vendors=sorted(health.remediation.commands),
+                max_per_hour=health.remediation.max_per_hour,
+                max_attempts=health.remediation.max_attempts,
+            )
+            parts.add(
+                Every(
+                    "remediation",
+                    lambda: health.remediation.interval_seconds,
+                    self._remediate_now,
+                    self.stop.waker(),
+                ),
+                critical=False,
+            )
+
+    def _plugins_step(self) -> None:
+        self.tick(time.monotonic())
+        self._ready.set()
+
+    def _rediscover_step(self) -> None:
+        if self.rediscoveries:  # the first round's discovery ran in __post_init__
+            self._rediscover()
+        self.rediscoveries += 1
+
+    def rediscover_now(self) -> None:
+        """Run the periodic re-discovery at once (as a change under /dev does)."""
+        self._rediscover_now.set()
+
+    def _remediate_now(self) -> None:
+        self.remediate(time.monotonic())
+
+    def remediate(self, now: float) -> Outcome | None:
+        """Reset one idle device whose quarantine a reset clears, if any may be reset now."""
+        snapshot = self.state.snapshot()
+        devices = snapshot.inventory.devices
+        with self._health_lock:
+            quarantined = self.tracker.quarantined()
+        waiting_ids = {
+            (d.parent or d.id)
+            for d in devices
+            if any(c.clears_by is ClearsBy.RESET for c in quarantined.get(d.id, ()))
+        }
+        waiting = [d for d in devices if d.parent is None and d.id in waiting_ids]
+        if not waiting:
+            return None
+        holders = self._pods.pod_devices_known(snapshot.units)
+        if holders is None:
+            self._log.info("no reset: kubelet's pod-resources API does not answer")
+            return None
+        device = choose(
+            waiting=waiting,
+            held=held_ids(devices, holders),
+            history=self._remediation_history,
+            now=now,
+            settings=self.settings.health.remediation,
+        )
+        if device is None:
+            return None
+        self._log.warning("resetting an idle quarantined device", device=device.id)
+        name = device_name(device, device.id)
+        self._announce(NORMAL, "AcceleratorResetting", f"{name} idle: reset by the agent")
+        outcome = self._remediation.reset(device)
+        self._remediation_history = record(
+            self._remediation_history,
+            Attempt(device.id, now, outcome.ok, outcome.detail),
+            now=now,
+        )
+        family = [d.id for d in devices if device.id in (d.id, d.parent)]
+        exhausted = False
+        with self._health_lock:
+            if outcome.ok:
+                self.remediations[(device.vendor.value, "reset")] += 1
+                for device_id in family:
+                    self._baselines.pop(device_id, None)
+                self._publish(self.tracker.clear(family, Evidence.RESET))
+            else:
+                failures = self._remediation_history.failures.get(device.id, 0)
+                exhausted = failures >= self.settings.health.remediation.max_attempts
+                self.remediations[(device.vendor.value, "failed")] += 1
+                if exhausted:
+                    self.remediations[(device.vendor.value, "escalated")] += 1
+                    for device_id in family:
+                        self.tracker.escalate(device_id)
+            self._save_quarantine(force=True)
+        if outcome.ok:
+            self._announce(NORMAL, "AcceleratorReset", f"{name} reset and validated: in service")
+        else:
+            self._announce(WARNING, "AcceleratorResetFailed", f"{name}: {outcome.detail}")
+        if exhausted:
+            self._announce(
+                WARNING,
+                "AcceleratorResetEscalated",
+                f"{name}: {self.settings.health.remediation.max_attempts} resets failed; "
+                f"waits for an operator's release ({RELEASE_DEVICES})",
+            )
+        self._log.log(
+            20 if outcome.ok else 40,
+            "device reset" if outcome.ok else "device reset failed",
+            device=device.id,
+            detail=outcome.detail,
+            waits_for_release=exhausted or None,
+        )
+        return outcome
+
+    def _restore_quarantine(self) -> None:
+        """Reopen what an earlier run quarantined, before kubelet is first served: a reboot since
+        then (a new boot id) ends what a reboot ends; the rest waits as before."""
+        if self._store is None:
+            return
+        saved = self._store.load()
+        if saved is None:
+            return
+        rebooted = saved.boot_id is not None and self.boot_id not in (None, saved.boot_id)
+        restored = 0
+        for device_id, conditions in saved.conditions.items():
+            kept = [c for c in conditions if not rebooted or not ends(c.clears_by, Evidence.REBOOT)]
+            if kept:
+                self.tracker.restore(device_id, kept)
+                restored += 1
+        if not rebooted:
+            self._baselines = {k: v for k, v in saved.baselines.items() if k in saved.conditions}
+        self._log.info(
+            "quarantine restored",
+            devices=restored,
+            rebooted_since=rebooted or None,
+            released_by_reboot=(len(saved.conditions) - restored) or None,
+        )
+        self.state.set_unhealthy(self.tracker.unhealthy(()).keys())
+        self._save_quarantine(force=True)
+
+    def _save_quarantine(self, *, force: bool = False) -> None:
+        """Keep the quarantine on disk when what is quarantined changed (caller holds the health
+        lock). Repeats of an open condition do not write: a flood costs no disk writes."""
+        if self._store is None:
+            return
+        quarantined = self.tracker.quarantined()
+        keys = frozenset(
+            (device_id, c.reason, c.clears_by.value)
+            for device_id, conditions in quarantined.items()
+            for c in conditions
+        )
+        if keys == self._quarantine_keys and not force:
+            return
+        self._quarantine_keys = keys
+        try:
+            self._store.save(
+                Quarantine(
+                    boot_id=self.boot_id,
+                    conditions={k: tuple(v) for k, v in quarantined.items()},
+                    baselines={k: v for k, v in self._baselines.items() if k in quarantined},
+                )
+            )
+        except OSError as exc:
+            self.step_failures["quarantine_save"] += 1
+            self._log.error("quarantine not saved", error=str(exc))
 
     def _expire(self, now: float) -> None:
         with self._health_lock:
-            changes = self.tracker.expire(now, self.state.snapshot().inventory.devices)
-            self._publish(changes)
+            changes = self.tracker.expire(now)
+            if changes:
+                self._publish(changes)
+                self._save_quarantine()
 
     def _rediscover(self) -> None:
         started = time.monotonic()
-        inventory = self._keep_failed(discover_node(self.settings))
+        fresh = discover_node(self.settings)
         self.discovery_seconds = time.monotonic() - started
-        if self.state.set_inventory(inventory):
-            self._log.info("inventory changed", devices=len(inventory.devices))
-        sound = [d for d in inventory.devices if _sound(d, self._vanished)]
-        watched = [d.id for d in sound if d.vendor not in POLLERS]
-        polled = [d.id for d in sound if d.vendor in POLLERS]
-        # A poller re-reports a fault on every poll: what it saw a moment ago is still there.
-        fresh = started - 2 * self.settings.health.poll_seconds
-        with self._health_lock:
-            changes = self.tracker.sound(watched, inventory.devices)
-            changes += self.tracker.sound(polled, inventory.devices, seen_before=fresh)
-            self._publish(changes)
-
-    def _keep_failed(self, inventory: Inventory) -> Inventory:
-        """Devices that fell off the bus drop out of discovery; keep advertising them as
-        Unhealthy (rather than letting them vanish from kubelet) until they are found again."""
-        listed = {d.id for d in inventory.devices}
-        with self._health_lock:
-            failed = self.tracker.unhealthy(())
-        previous = self.state.snapshot().inventory.devices
-        keep = [
-            dataclasses.replace(d, health=Health.UNHEALTHY)
-            for d in previous
-            if d.id not in listed and d.id in failed
-        ]
-        if not keep:
-            return inventory
-        reports = tuple(
-            dataclasses.replace(
-                r, devices=r.devices + tuple(d for d in keep if d.vendor is r.vendor)
-            )
-            for r in inventory.reports
+        carried = carry_forward(
+            self.state.snapshot().inventory, fresh, carried=self._gone, settings=self.settings
         )
-        devices = [d for r in reports for d in r.devices]
-        return Inventory(inventory.node, reports, advertised_resources(devices, self.settings))
+        newly_gone = [d for d in carried.gone if d.id not in self._gone]
+        self._gone = frozenset(d.id for d in carried.gone)
+        if self.state.set_inventory(carried.inventory):
+            self._log.info("inventory changed", devices=len(carried.inventory.devices))
+        now = time.monotonic()
+        for vendor in {r.vendor for r in carried.inventory.reports}:
+            failed = carried.failed.get(vendor)
+            if failed is not None:
+                self.report(
+                    HealthEvent(vendor, None, DISCOVERY_FAILED, Level.WARN, now, detail=failed)
+                )
+            elif vendor in self._discovery_failed:
+                self.report(
+                    HealthEvent(vendor, None, DISCOVERY_FAILED, Level.WARN, now, cleared=True)
+                )
+        self._discovery_failed = frozenset(carried.failed)
+        for device in newly_gone:
+            detail = "no longer listed by discovery; kept, advertised Unhealthy"
+            self.report(
+                HealthEvent(
+                    device.vendor,
+                    device.id,
+                    DEVICE_GONE,
+                    Level.DEVICE_FATAL,
+                    now,
+                    detail=detail,
+                    clears_by=ClearsBy.CONDITION,
+                )
+            )
+        # Being listed again ends only the device's absence: it is no evidence of a reset.
+        with self._health_lock:
+            changes = self.tracker.clear(carried.returned, Evidence.GONE, reasons={DEVICE_GONE})
+            self._publish(changes)
 
     def _publish(self, changes: list[Transition]) -> None:
         """Push the tracker's view into the device state (caller holds the health lock)."""
@@ -503,5 +880,5 @@ class Agent:
             self._log.exception("agent step failed", step=step, failures=self.step_failures[step])
 
 
-def _sound(device: Device, vanished_ids: frozenset[str]) -> bool:
-    return device.health is Health.HEALTHY and device.id not in vanished_ids
+POLLED_REASON_PREFIXES = ("XPU_", "DCU_", "NPU_")
+EVENT_LOG_SECONDS = 10.0

@@ -168,6 +168,46 @@ class PluginSettings:
             raise ValueError("rediscover_seconds: must be between 1 and 86400")
 
 
+def _default_reset_commands() -> dict[str, list[str]]:
+    return {
+        "nvidia": ["nvidia-smi", "--gpu-reset", "-i", "{index}"],
+        "ascend": ["npu-smi", "set", "-t", "reset", "-i", "{index}", "-c", "0"],
+    }
+
+
+@dataclass(frozen=True)
+class RemediationSettings:
+    enabled: bool = False
+    """Reset quarantined devices the agent finds idle (held by no pod). Off by default: a reset
+    is an action on the node, and an operator opts in to it."""
+    commands: dict[str, list[str]] = field(default_factory=_default_reset_commands)
+    """The reset command per vendor, its first word a tool found under the host root and
+    `{index}` the device's index. Vendors without one are never reset by the agent."""
+    max_per_hour: int = 4
+    """Resets per node in any hour; one device at a time."""
+    max_attempts: int = 3
+    """Failed resets of one device before it waits for an operator's release instead."""
+    timeout_seconds: float = 300.0
+    """How long one reset command may run."""
+    interval_seconds: float = 30.0
+    """How often idle quarantined devices are looked for."""
+
+    def check(self) -> None:
+        for vendor, command in self.commands.items():
+            if vendor not in {"nvidia", "kunlunxin", "hygon", "ascend"}:
+                raise ValueError(f"commands: {vendor!r} is not a vendor")
+            if not command or not command[0].strip() or "/" in command[0]:
+                raise ValueError(f"commands.{vendor}: the first word must be a tool name")
+        if not 1 <= self.max_per_hour <= 3600:
+            raise ValueError("max_per_hour: must be between 1 and 3600")
+        if not 1 <= self.max_attempts <= 100:
+            raise ValueError("max_attempts: must be between 1 and 100")
+        if not 1 <= self.timeout_seconds <= 3600:
+            raise ValueError("timeout_seconds: must be between 1 and 3600")
+        if not 0.1 <= self.interval_seconds <= 3600:
+            raise ValueError("interval_seconds: must be between 0.1 and 3600")
+
+
 @dataclass(frozen=True)
 class HealthSettings:
     xid_levels: dict[str, Literal["ignore", "warn", "device_fatal", "node_fatal"]] = field(
@@ -178,15 +218,31 @@ class HealthSettings:
         default_factory=dict
     )
     """Overrides of the Ascend fault-code table, by hex code: {"0x80E01801": "node_fatal"}."""
+    xid_clears_by: dict[
+        str, Literal["nothing", "condition", "quiet", "reset", "reboot", "release"]
+    ] = field(default_factory=dict)
+    """What ends the quarantine an XID causes, overriding the catalog's column:
+    {"54": "reset", "31": "quiet"} (quiet: `quiet_seconds` without a repeat)."""
+    ascend_code_clears_by: dict[
+        str, Literal["nothing", "condition", "quiet", "reset", "reboot", "release"]
+    ] = field(default_factory=dict)
+    """The same for Ascend fault codes, by hex code: {"0x80E18402": "reset"}."""
     quiet_seconds: float = 300.0
-    """A device made unhealthy by a transient fault is healthy again after this long quiet."""
+    """A device quarantined by a fault that clears by `quiet` is healthy again after this long
+    without a repeat. Severe faults never clear with time alone (see the README's lifecycle)."""
     poll_seconds: float = 1.0
     """How often vendor tools are polled for health (vendors without an event API)."""
     nvml_retry_seconds: float = 5.0
     """Wait before trying again when NVML cannot be initialised or its event loop breaks."""
+    remediation: RemediationSettings = field(default_factory=RemediationSettings)
+    """Resets of idle quarantined devices by the agent (opt-in)."""
 
     def check(self) -> None:
-        from edl_agent.health.classify import check_ascend_overrides, check_xid_overrides
+        from edl_agent.health.classify import (
+            check_ascend_overrides,
+            check_clears_by_overrides,
+            check_xid_overrides,
+        )
 
         bounds = {"quiet_seconds": 30 * 86400, "poll_seconds": 3600, "nvml_retry_seconds": 3600}
         for key, most in bounds.items():
@@ -195,6 +251,10 @@ class HealthSettings:
         try:
             check_xid_overrides(self.xid_levels)
             check_ascend_overrides(self.ascend_code_levels)
+            check_clears_by_overrides("xid_clears_by", self.xid_clears_by, ascend=False)
+            check_clears_by_overrides(
+                "ascend_code_clears_by", self.ascend_code_clears_by, ascend=True
+            )
         except ValueError as exc:
             raise ValueError(str(exc).removeprefix("health.")) from None
 

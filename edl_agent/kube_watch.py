@@ -39,6 +39,14 @@ class WatchLoop:
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self._thread.start()
 
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def restart(self) -> None:
+        """Start a new thread after this one died (the supervisor's call)."""
+        self._thread = None
+        self.start()
+
     def stop(self, timeout: float = 2.0) -> None:
         self._stop.set()
         response = self._response

@@ -319,6 +319,7 @@ class SimulatedAgent:
                     "--kubelet-dir", str(self.kubelet.directory), "--metrics-addr", self.address,
                     "--log-format", "json",
                     "--set", f"pod_resources_socket={self.pod_resources.socket}",
+                    "--set", "health.remediation.enabled=true",
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,

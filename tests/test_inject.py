@@ -37,11 +37,14 @@ def test_fault_lines(tmp_path: Path) -> None:
     inject.set_nvml_init_failure(root, on=True)
     inject.set_nvml_init_failure(root, on=False)
     inject.set_gpu_telemetry(root, 2, temperature_c=80, utilization_percent=5)
+    inject.inject_xid(root, 1, 95)
+    inject.reset_device(root, "nvidia", 1)
+    inject.reboot(root)
 
     assert inject.fault_file(root) == root / "usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1.faults"
     assert fault_lines(root) == [
-        "xid gpu=3 code=79",
-        "xid gpu=0 code=31 mig=1",
+        "xid gpu=3 code=79 action=2",  # the catalog's RESTART_BM: NODE_REBOOT
+        "xid gpu=0 code=31 mig=1",  # RESTART_APP: no recovery action
         "ecc_dbe gpu=3",
         "ecc_sbe gpu=3",
         "lost gpu=3",
@@ -49,6 +52,9 @@ def test_fault_lines(tmp_path: Path) -> None:
         "init_fail on",
         "init_fail off",
         "telemetry gpu=2 temperature_c=80 utilization=5",
+        "xid gpu=1 code=95 action=1",  # RESET_GPU
+        "reset gpu=1",
+        "reboot",
     ]
 
 

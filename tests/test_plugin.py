@@ -69,10 +69,13 @@ class Node:
 
 
 @contextlib.contextmanager
-def running_node(tmp_path: Path, profile_name: str, **plugin: Any) -> Iterator[Node]:
+def running_node(
+    tmp_path: Path, profile_name: str, *, extra: dict[str, Any] | None = None, **plugin: Any
+) -> Iterator[Node]:
     profile = load_profile(profile_name)
     tree = tmp_path / "node"
-    build_tree(profile, tree)
+    if not tree.exists():  # a second agent in the same test finds the node as the first left it
+        build_tree(profile, tree)
     kubelet = KubeletStandIn(tmp_path / "kubelet")
     kubelet.start()
     settings = load_settings(
@@ -81,6 +84,8 @@ def running_node(tmp_path: Path, profile_name: str, **plugin: Any) -> Iterator[N
             "host_root": str(tree),
             "metrics_addr": "127.0.0.1:0",
             "plugin": {"kubelet_dir": str(kubelet.directory), "health_poll_seconds": 0.1, **plugin},
+            "faults": {"state_dir": str(tmp_path / "state")},
+            **(extra or {}),
         },
     )
     agent = Agent(settings)

@@ -3,12 +3,16 @@ DaemonSet pod, a directory tree for a simulated node. Discovery code only ever s
 
 from __future__ import annotations
 
+import contextlib
 import os
+import selectors
+import signal
 import subprocess
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import IO, TypeVar, cast
 
 T = TypeVar("T")
 
@@ -26,6 +30,13 @@ TOOL_DIRS = (
 )
 
 
+# A vendor tool's output is a few KiB per device; more than this is a broken tool, and reading
+# it all would hold the agent's memory for good.
+MAX_TOOL_OUTPUT = 16 << 20
+MAX_TOOL_ERRORS = 64 << 10
+_CHUNK = 1 << 16
+
+
 class ToolError(Exception):
     """A vendor tool exists but could not be run or failed; the message says which and why."""
 
@@ -33,6 +44,8 @@ class ToolError(Exception):
 @dataclass(frozen=True)
 class HostRoot:
     root: Path
+    tool_timeout: float = 10.0
+    """How long a vendor tool may run when the caller names no timeout."""
 
     @classmethod
     def at(cls, root: str | os.PathLike[str]) -> HostRoot:
@@ -82,27 +95,41 @@ class HostRoot:
         return None
 
     def run_tool(self, tool: Path, args: Sequence[str], *, timeout: float = 10.0) -> str:
-        """Run a vendor tool found by `which` and return its stdout; failures raise ToolError."""
+        """Run a vendor tool found by `which` and return its stdout; failures raise ToolError.
+
+        Output is bounded (`MAX_TOOL_OUTPUT`; a tool printing more is killed) and decoded as
+        UTF-8 with undecodable bytes replaced, so a localised tool never raises here. The tool
+        runs in a session of its own: on a timeout or an overflow its whole process group is
+        killed and reaped, so nothing it started is left behind."""
+        command = f"{tool.name} {' '.join(args)}".strip()
         try:
-            done = subprocess.run(
+            process = subprocess.Popen(
                 [str(tool), *args],
-                capture_output=True,
-                text=True,
-                timeout=timeout,
-                check=False,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
             )
-        except subprocess.TimeoutExpired as exc:
-            msg = f"{tool.name} {' '.join(args)} timed out after {timeout:g}s"
-            raise ToolError(msg) from exc
         except OSError as exc:
-            msg = f"{tool.name} {' '.join(args)} could not run: {exc.strerror or exc}"
+            msg = f"{command} could not run: {exc.strerror or exc}"
             raise ToolError(msg) from exc
-        if done.returncode != 0:
-            detail = (done.stderr or done.stdout).strip().splitlines()
-            tail = detail[-1] if detail else "no output"
-            msg = f"{tool.name} {' '.join(args)} exited {done.returncode}: {tail}"
+        try:
+            out, err, problem = _collect(process, timeout)
+        finally:
+            _end(process)
+        if problem == "timeout":
+            msg = f"{command} timed out after {timeout:g}s"
             raise ToolError(msg)
-        return done.stdout
+        if problem == "overflow":
+            msg = f"{command} printed more than {MAX_TOOL_OUTPUT >> 20} MiB: stopped"
+            raise ToolError(msg)
+        stdout = out.decode("utf-8", errors="replace")
+        if process.returncode != 0:
+            detail = (err.decode("utf-8", errors="replace") or stdout).strip().splitlines()
+            tail = detail[-1][:200] if detail else "no output"
+            msg = f"{command} exited {process.returncode}: {tail}"
+            raise ToolError(msg)
+        return stdout
 
     def read_tool(
         self,
@@ -110,7 +137,7 @@ class HostRoot:
         args: Sequence[str],
         parse: Callable[[str], T],
         *,
-        timeout: float = 10.0,
+        timeout: float | None = None,
     ) -> T:
         """Run a vendor tool (a name looked up with `which`, or its path) and parse its output.
         A missing tool, a failed run, or output that `parse` rejects (ValueError) all raise one
@@ -119,11 +146,12 @@ class HostRoot:
         if path is None:
             msg = f"{tool} not found under the host root"
             raise ToolError(msg)
-        output = self.run_tool(path, args, timeout=timeout)
+        output = self.run_tool(path, args, timeout=timeout or self.tool_timeout)
         try:
             return parse(output)
-        except ValueError as exc:
-            msg = f"{path.name} {' '.join(args)}: unexpected output: {exc}"
+        except Exception as exc:  # any parser failure is the tool's output, never a crash
+            reason = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+            msg = f"{path.name} {' '.join(args)}: unexpected output: {reason}"[:300]
             raise ToolError(msg) from None
 
 
@@ -140,3 +168,48 @@ def natural_key(name: str) -> tuple[str, int, str]:
     stem = name.rstrip("0123456789")
     digits = name[len(stem) :]
     return (stem, int(digits) if digits else -1, name)
+
+
+def _collect(process: subprocess.Popen[bytes], timeout: float) -> tuple[bytes, bytes, str | None]:
+    """stdout and stderr of `process` until both end, up to their bounds and `timeout`; the
+    third value says why reading stopped early ("timeout", "overflow") or is None."""
+    stdout = cast("IO[bytes]", process.stdout).fileno()  # both are PIPEs: never None
+    stderr = cast("IO[bytes]", process.stderr).fileno()
+    limits = {stdout: MAX_TOOL_OUTPUT, stderr: MAX_TOOL_ERRORS}
+    chunks: dict[int, list[bytes]] = {fd: [] for fd in limits}
+    sizes = dict.fromkeys(limits, 0)
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as selector:
+        for fd in limits:
+            selector.register(fd, selectors.EVENT_READ)
+        while selector.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return b"", b"", "timeout"
+            for key, _ in selector.select(left):
+                data = os.read(key.fd, _CHUNK)
+                if not data:
+                    selector.unregister(key.fd)
+                    continue
+                sizes[key.fd] += len(data)
+                if sizes[key.fd] > limits[key.fd]:
+                    if key.fd == stdout:
+                        return b"", b"", "overflow"
+                    continue  # stderr past its bound: keep reading, stop keeping
+                chunks[key.fd].append(data)
+    try:
+        process.wait(max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        return b"", b"", "timeout"
+    return b"".join(chunks[stdout]), b"".join(chunks[stderr]), None
+
+
+def _end(process: subprocess.Popen[bytes]) -> None:
+    """Kill the tool's process group if it still runs, reap it, close its pipes."""
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    for stream in (process.stdout, process.stderr):
+        if stream is not None:
+            stream.close()

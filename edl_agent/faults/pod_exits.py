@@ -24,9 +24,9 @@ from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
+from edl_agent.backoff import backoff_delay
 from edl_agent.faults.ids import container_exit_id
 from edl_agent.faults.model import Fault, FaultKind, PodRef
-from edl_agent.faults.sender import backoff_delay
 from edl_agent.kube import KubeApi
 from edl_agent.kube_watch import WatchLoop
 

@@ -24,6 +24,7 @@ import grpc
 import structlog
 
 from edl_agent._proto.edl.fault.v1 import fault_pb2, fault_pb2_grpc
+from edl_agent.backoff import backoff_delay
 from edl_agent.faults.convert import to_proto
 from edl_agent.faults.model import Fault
 from edl_agent.faults.outbox import Outbox
@@ -63,13 +64,6 @@ class SenderCounts:
 
 class CallFailed(Exception):
     """A call that brought no verdict; its batch stays in the outbox."""
-
-
-def backoff_delay(failures: int, *, initial: float, maximum: float, jitter: float) -> float:
-    """Seconds to wait after `failures` failures in a row: doubling from `initial` up to
-    `maximum`, scaled into its upper half by `jitter` in [0, 1) so that agents spread out."""
-    base = min(maximum, initial * 2.0 ** max(0, min(failures - 1, 32)))
-    return base * (0.5 + jitter / 2)
 
 
 def is_loopback(address: str) -> bool:
@@ -120,6 +114,14 @@ class Sender:
         self._stopping.clear()
         self._thread = threading.Thread(target=self._run, name="fault-sender", daemon=True)
         self._thread.start()
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def restart(self) -> None:
+        """Start a new thread after this one died (the supervisor's call)."""
+        self._thread = None
+        self.start()
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop sending (a call in flight is cancelled); pending faults stay in the outbox."""

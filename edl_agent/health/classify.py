@@ -11,8 +11,9 @@ from __future__ import annotations
 import enum
 import re
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
-from edl_agent.health.model import Level
+from edl_agent.health.model import ClearsBy, HealthEvent, Level
 
 Overrides = Mapping[str, str]
 
@@ -26,54 +27,74 @@ _HEX_CODE = re.compile(r"^(?:0[xX])?([0-9a-fA-F]{1,8})$")
 # with NVIDIA/k8s-device-plugin#1974 (its default ignore list disagrees with the catalog).
 # Each row: XID, catalog meaning, catalog immediate action -> our level.
 #
-# RESTART_APP / IGNORE (the application or driver recovers on its own) -> IGNORE;
+# Level: RESTART_APP / IGNORE (the application or driver recovers on its own) -> IGNORE;
 # RESET_GPU and memory-remapping events -> DEVICE_FATAL (drain the GPU until it is reset);
 # RESTART_BM / RESTART_VM (the host must restart) -> NODE_FATAL.
-XID_LEVELS: Mapping[int, Level] = {
-    11: Level.IGNORE,  # invalid or corrupted push buffer; RESTART_APP, then CHECK_APP/CUDA
-    13: Level.IGNORE,  # graphics engine exception; RESTART_APP (an application bug as a rule)
-    25: Level.IGNORE,  # invalid or illegal push buffer stream; RESTART_APP
-    31: Level.IGNORE,  # GPU memory page fault (illegal address in the application); RESTART_APP
-    32: Level.IGNORE,  # invalid or corrupted push buffer stream (PBDMA); RESTART_APP
-    43: Level.IGNORE,  # GPU stopped processing (the channel was reset); IGNORE
-    45: Level.IGNORE,  # preemptive cleanup after another error; follow that other XID
-    68: Level.IGNORE,  # NVDEC0 exception; RESTART_APP (also ignored by NVIDIA's device plugin)
-    69: Level.IGNORE,  # graphics engine class error; RESTART_APP, then CHECK_APP/CUDA
-    80: Level.IGNORE,  # corrupted data sent to the GPU; RESTART_APP, then CHECK_APP/CUDA
-    46: Level.DEVICE_FATAL,  # GPU stopped processing (timeout); RESET_GPU
-    48: Level.DEVICE_FATAL,  # double-bit ECC error; WORKFLOW_XID_48 (reset, then check remapping)
-    54: Level.DEVICE_FATAL,  # auxiliary power not connected; CHECK_MECHANICALS
-    62: Level.DEVICE_FATAL,  # internal micro-controller halt; RESET_GPU
+# What clears it: IGNORE rows nothing (never quarantined); RESET_GPU and the ECC/remapping/NVLink
+# workflows a reset of that GPU; RESTART_BM/VM a reboot of the node; CHECK_MECHANICALS and
+# CONTACT_SUPPORT a person (an operator's release), since no reset or reboot repairs hardware.
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a fault code means: its level and what ends the quarantine it causes."""
+
+    level: Level
+    clears_by: ClearsBy
+
+
+_APP = Rule(Level.IGNORE, ClearsBy.NOTHING)
+_RESET = Rule(Level.DEVICE_FATAL, ClearsBy.RESET)
+_REBOOT = Rule(Level.NODE_FATAL, ClearsBy.REBOOT)
+_PERSON = Rule(Level.DEVICE_FATAL, ClearsBy.RELEASE)
+
+XID_CATALOG: Mapping[int, Rule] = {
+    11: _APP,  # invalid or corrupted push buffer; RESTART_APP, then CHECK_APP/CUDA
+    13: _APP,  # graphics engine exception; RESTART_APP (an application bug as a rule)
+    25: _APP,  # invalid or illegal push buffer stream; RESTART_APP
+    31: _APP,  # GPU memory page fault (illegal address in the application); RESTART_APP
+    32: _APP,  # invalid or corrupted push buffer stream (PBDMA); RESTART_APP
+    43: _APP,  # GPU stopped processing (the channel was reset); IGNORE
+    45: _APP,  # preemptive cleanup after another error; follow that other XID
+    68: _APP,  # NVDEC0 exception; RESTART_APP (also ignored by NVIDIA's device plugin)
+    69: _APP,  # graphics engine class error; RESTART_APP, then CHECK_APP/CUDA
+    80: _APP,  # corrupted data sent to the GPU; RESTART_APP, then CHECK_APP/CUDA
+    46: _RESET,  # GPU stopped processing (timeout); RESET_GPU
+    48: _RESET,  # double-bit ECC error; WORKFLOW_XID_48 (reset, then check remapping)
+    54: _PERSON,  # auxiliary power not connected; CHECK_MECHANICALS
+    62: _RESET,  # internal micro-controller halt; RESET_GPU
     # 63: row remapping recorded; the catalog says IGNORE, but the new mapping only takes effect
     # after a GPU reset ("reset gpu to activate"), so the GPU is drained until then (AWS: fatal).
-    63: Level.DEVICE_FATAL,
-    64: Level.DEVICE_FATAL,  # row remapping failure; RESET_GPU
-    74: Level.DEVICE_FATAL,  # NVLink error; WORKFLOW_NVLINK_ERR (a reset clears the link state)
-    79: Level.NODE_FATAL,  # GPU has fallen off the bus; RESTART_BM (no reset reaches it)
+    63: _RESET,
+    64: _RESET,  # row remapping failure; RESET_GPU
+    74: _RESET,  # NVLink error; WORKFLOW_NVLINK_ERR (a reset clears the link state)
+    79: _REBOOT,  # GPU has fallen off the bus; RESTART_BM (no reset reaches it)
     # 92: high single-bit ECC rate; the catalog says IGNORE. We drain: a rising SBE rate precedes
     # uncorrectable errors, and a long job would lose more than the drain costs.
-    92: Level.DEVICE_FATAL,
+    92: _RESET,
     # 94: contained (poisoned) memory error; the catalog says RESTART_APP. The affected row is
     # remapped only at the next reset, so new work is kept off the GPU until it is reset.
-    94: Level.DEVICE_FATAL,
-    95: Level.DEVICE_FATAL,  # uncontained memory error; RESET_GPU
-    109: Level.DEVICE_FATAL,  # context-switch timeout; RESET_GPU (NVIDIA's plugin ignores it)
-    110: Level.DEVICE_FATAL,  # security fault; RESET_GPU
-    119: Level.DEVICE_FATAL,  # GSP RPC timeout; RESET_GPU
-    120: Level.DEVICE_FATAL,  # GSP error; RESET_GPU
-    136: Level.DEVICE_FATAL,  # NVLink training failed; RESET_GPU
-    140: Level.DEVICE_FATAL,  # unrecovered ECC error; RESET_GPU
-    143: Level.DEVICE_FATAL,  # GPU initialization error; RESET_GPU
-    151: Level.NODE_FATAL,  # key rotation error (confidential computing); RESTART_VM
-    155: Level.DEVICE_FATAL,  # NVLink software-defined error; RESET_GPU
-    156: Level.DEVICE_FATAL,  # resource retirement event; RESET_GPU
-    158: Level.DEVICE_FATAL,  # GPU fatal timeout; RESET_GPU
+    94: _RESET,
+    95: _RESET,  # uncontained memory error; RESET_GPU
+    109: _RESET,  # context-switch timeout; RESET_GPU (NVIDIA's plugin ignores it)
+    110: _RESET,  # security fault; RESET_GPU
+    119: _RESET,  # GSP RPC timeout; RESET_GPU
+    120: _RESET,  # GSP error; RESET_GPU
+    136: _RESET,  # NVLink training failed; RESET_GPU
+    140: _RESET,  # unrecovered ECC error; RESET_GPU
+    143: _RESET,  # GPU initialization error; RESET_GPU
+    151: Rule(Level.NODE_FATAL, ClearsBy.REBOOT),  # key rotation error (confidential); RESTART_VM
+    155: _RESET,  # NVLink software-defined error; RESET_GPU
+    156: _RESET,  # resource retirement event; RESET_GPU
+    158: _RESET,  # GPU fatal timeout; RESET_GPU
 }
+XID_LEVELS: Mapping[int, Level] = {code: rule.level for code, rule in XID_CATALOG.items()}
 
 # An XID missing from the table (new drivers add codes; NVLink 144-150 and 154 need their payload
 # decoded) is logged and counted but leaves the GPU schedulable: draining on a code we cannot
 # interpret would take healthy capacity away on every new driver, and ignoring it would hide it.
-# Operators who know better set it in `health.xid_levels`.
+# Operators who know better set it in `health.xid_levels`; an unknown code they make severe is
+# cleared by an operator's release unless `health.xid_clears_by` says otherwise.
 UNKNOWN_XID_LEVEL = Level.WARN
 
 
@@ -84,6 +105,15 @@ def classify_xid(code: int, overrides: Overrides | None = None) -> Level:
         if override is not None:
             return Level(override)
     return XID_LEVELS.get(code, UNKNOWN_XID_LEVEL)
+
+
+def xid_clears_by(code: int, level: Level, overrides: Overrides | None = None) -> ClearsBy:
+    """What ends the quarantine XID `code` at `level` causes (`health.xid_clears_by` first)."""
+    override = (overrides or {}).get(str(code))
+    if override is not None:
+        return ClearsBy(override)
+    rule = XID_CATALOG.get(code)
+    return _clears_at(level, rule.clears_by if rule is not None else None)
 
 
 def classify_ecc_dbe() -> Level:
@@ -125,17 +155,21 @@ class AscendFaultType(enum.StrEnum):
 
 # Job-level types leave the chip schedulable: the job (not the device) has to retry, which is the
 # job controller's business, so they are warnings here. Reset types drain the chip until it is
-# reset. Isolation types say a reset does not help: the chip is out until someone repairs it,
-# which is what NODE_FATAL means for us (stays until sound).
+# reset (the driver keeps reporting the code until then, so the code no longer being reported is
+# the evidence of a reset). Isolation types say a reset does not help: the chip is out until a
+# person releases it.
+ASCEND_FAULT_TYPE_RULES: Mapping[AscendFaultType, Rule] = {
+    AscendFaultType.NOT_HANDLE: Rule(Level.IGNORE, ClearsBy.NOTHING),
+    AscendFaultType.RESTART_REQUEST: Rule(Level.WARN, ClearsBy.NOTHING),
+    AscendFaultType.RESTART_BUSINESS: Rule(Level.WARN, ClearsBy.NOTHING),
+    AscendFaultType.FREE_RESTART_NPU: Rule(Level.DEVICE_FATAL, ClearsBy.RESET),
+    AscendFaultType.RESTART_NPU: Rule(Level.DEVICE_FATAL, ClearsBy.RESET),
+    AscendFaultType.PRE_SEPARATE_NPU: Rule(Level.NODE_FATAL, ClearsBy.RELEASE),
+    AscendFaultType.SEPARATE_NPU: Rule(Level.NODE_FATAL, ClearsBy.RELEASE),
+    AscendFaultType.MANUALLY_SEPARATE_NPU: Rule(Level.NODE_FATAL, ClearsBy.RELEASE),
+}
 ASCEND_FAULT_TYPE_LEVELS: Mapping[AscendFaultType, Level] = {
-    AscendFaultType.NOT_HANDLE: Level.IGNORE,
-    AscendFaultType.RESTART_REQUEST: Level.WARN,
-    AscendFaultType.RESTART_BUSINESS: Level.WARN,
-    AscendFaultType.FREE_RESTART_NPU: Level.DEVICE_FATAL,
-    AscendFaultType.RESTART_NPU: Level.DEVICE_FATAL,
-    AscendFaultType.PRE_SEPARATE_NPU: Level.NODE_FATAL,
-    AscendFaultType.SEPARATE_NPU: Level.NODE_FATAL,
-    AscendFaultType.MANUALLY_SEPARATE_NPU: Level.NODE_FATAL,
+    kind: rule.level for kind, rule in ASCEND_FAULT_TYPE_RULES.items()
 }
 
 # A sample of the default fault-code table that MindCluster ships (faultCode.json of the Ascend
@@ -165,7 +199,8 @@ ASCEND_CODE_TYPES: Mapping[int, AscendFaultType] = {
 # Codes outside the table: MindCluster's default for unrecorded codes differs between releases
 # (NotHandleFault in some, SeparateNPU in others, the driver's severity in the newest we read). We
 # take the severity: the chip's health word decides, and a code never counts for less than a
-# warning.
+# warning. An unknown code severe enough to drain the chip is cleared by an operator's release:
+# nobody can say what repairs it.
 UNKNOWN_ASCEND_CODE_LEVEL = Level.WARN
 
 
@@ -194,6 +229,17 @@ def ascend_code_level(code: int, overrides: Overrides | None = None) -> Level | 
                 return Level(value)
     fault_type = ASCEND_CODE_TYPES.get(code)
     return ASCEND_FAULT_TYPE_LEVELS[fault_type] if fault_type is not None else None
+
+
+def ascend_code_clears_by(code: int, level: Level, overrides: Overrides | None = None) -> ClearsBy:
+    """What ends the quarantine fault code `code` at `level` causes
+    (`health.ascend_code_clears_by` first, keyed by hex code in any spelling)."""
+    for key, value in (overrides or {}).items():
+        if _HEX_CODE.match(key.strip()) and parse_ascend_code(key) == code:
+            return ClearsBy(value)
+    fault_type = ASCEND_CODE_TYPES.get(code)
+    known = ASCEND_FAULT_TYPE_RULES[fault_type].clears_by if fault_type is not None else None
+    return _clears_at(level, known)
 
 
 def check_ascend_overrides(overrides: Overrides) -> None:
@@ -250,6 +296,10 @@ def classify_npu_fault(
 # no health word). The simulated tools print a designed `XPU State` / `DCU State` field with these
 # four words. On real nodes the field is absent: XPUs then speak through their ECC counters, and
 # both vendors through their tool failing or no longer listing a device.
+# What clears them follows the XID catalog's buckets: `Fault` is a device error the driver holds
+# until the device is reset (so the tool reading Normal again is the evidence of a reset), an
+# uncorrectable XPU ECC count is volatile and returns to 0 only at a reset, and `Lost` (off the
+# bus) is XID 79's case: only a reboot brings the device back.
 DEVICE_STATE_LEVELS: Mapping[str, Level | None] = {
     "normal": None,
     "warning": Level.WARN,  # degraded but usable (e.g. throttling)
@@ -259,9 +309,81 @@ DEVICE_STATE_LEVELS: Mapping[str, Level | None] = {
 UNKNOWN_DEVICE_STATE_LEVEL = Level.WARN
 
 
+DEVICE_STATE_CLEARS_BY: Mapping[str, ClearsBy] = {
+    "warning": ClearsBy.NOTHING,
+    "fault": ClearsBy.RESET,
+    "lost": ClearsBy.REBOOT,
+}
+
+
 def classify_device_state(state: str) -> Level | None:
     """The level of a Kunlunxin/Hygon state word; None for Normal (case does not matter)."""
     return DEVICE_STATE_LEVELS.get(state.strip().lower(), UNKNOWN_DEVICE_STATE_LEVEL)
+
+
+# --- what clears an event ------------------------------------------------------------------------
+
+ECC_DBE_REASONS = frozenset({"ECC_DBE", "XPU_ECC_DBE"})
+LOST_REASONS = frozenset({"GPU_LOST"})
+
+
+def what_clears(  # noqa: PLR0911 -- one return per catalog reads plainer than a dispatch table
+    event: HealthEvent,
+    *,
+    xid_overrides: Overrides | None = None,
+    ascend_overrides: Overrides | None = None,
+) -> ClearsBy:
+    """What ends the condition `event` starts: its own `clears_by` when the source set one, else
+    the catalog's column for its reason and code. Anything not severe clears by nothing; a severe
+    event the catalogs do not name lasts while its source reports it (a missing /dev node, a
+    device a tool no longer lists, a failing monitor)."""
+    if event.clears_by is not None:
+        return event.clears_by
+    if not event.level.unhealthy:
+        return ClearsBy.NOTHING
+    reason = event.reason
+    if reason.startswith("XID") and event.code is not None:
+        return xid_clears_by(event.code, event.level, xid_overrides)
+    if reason.startswith("NPU_FAULT_") and event.code is not None:
+        return ascend_code_clears_by(event.code, event.level, ascend_overrides)
+    if reason in ECC_DBE_REASONS:
+        return ClearsBy.RESET
+    if reason in LOST_REASONS:
+        return ClearsBy.REBOOT
+    for prefix in ("XPU_STATE_", "DCU_STATE_"):
+        if reason.startswith(prefix):
+            state = reason.removeprefix(prefix).lower()
+            return DEVICE_STATE_CLEARS_BY.get(state, ClearsBy.RELEASE)
+    return ClearsBy.CONDITION
+
+
+def _clears_at(level: Level, known: ClearsBy | None) -> ClearsBy:
+    """The catalog's column for a code at `level` (the operator may have raised or lowered it):
+    a level that is not severe clears by nothing; a severe level keeps the catalog's column when
+    it has a severe one; an application-level code raised to severe clears by a reset (device)
+    or a reboot (node); an unknown code raised to severe waits for an operator."""
+    if not level.unhealthy:
+        return ClearsBy.NOTHING
+    if known is not None and known is not ClearsBy.NOTHING:
+        return known
+    if known is None:
+        return ClearsBy.RELEASE
+    return ClearsBy.REBOOT if level is Level.NODE_FATAL else ClearsBy.RESET
+
+
+def check_clears_by_overrides(setting: str, overrides: Overrides, *, ascend: bool) -> None:
+    """Raise ValueError naming the first bad key or value of `health.*_clears_by`."""
+    choices = ", ".join(c.value for c in ClearsBy)
+    for key, value in overrides.items():
+        if ascend:
+            try:
+                parse_ascend_code(key)
+            except ValueError as exc:
+                raise ValueError(f"{setting}: {exc}") from None
+        elif not key.strip().isdigit():
+            raise ValueError(f"{setting}: {key!r} is not an XID number")
+        if value not in {c.value for c in ClearsBy}:
+            raise ValueError(f"{setting}[{key!r}]: {value!r} is not one of {choices}")
 
 
 # --- helpers -------------------------------------------------------------------------------------

@@ -21,6 +21,56 @@ class Level(enum.StrEnum):
         return self in (Level.DEVICE_FATAL, Level.NODE_FATAL)
 
 
+class ClearsBy(enum.StrEnum):
+    """What ends a condition that makes a device unhealthy, from the vendor's catalog.
+
+    Severe faults never end with time alone: only evidence does (see `ends`).
+    """
+
+    NOTHING = "nothing"  # counted only; the device is never quarantined for it
+    CONDITION = "condition"  # lasts while its source reports it (a poll, a missing /dev node)
+    QUIET = "quiet"  # ends after `health.quiet_seconds` without a repeat (an operator's choice)
+    RESET = "reset"  # a reset of that device, observed (a reboot resets every device too)
+    REBOOT = "reboot"  # a reboot of the node: a new boot id
+    RELEASE = "release"  # an operator's release (the edl.io/release-devices annotation)
+
+    @property
+    def persistent(self) -> bool:
+        """Kept in the state directory: an agent restart is not evidence of anything."""
+        return self in (ClearsBy.RESET, ClearsBy.REBOOT, ClearsBy.RELEASE)
+
+
+class Evidence(enum.StrEnum):
+    """What the agent observed that may end conditions."""
+
+    GONE = "gone"  # the source reports the condition over (a poll reads OK, the node is back)
+    QUIET = "quiet"  # `quiet_seconds` passed without a repeat
+    RESET = "reset"  # the device was reset (observed, or performed and validated by the agent)
+    REBOOT = "reboot"  # the node's boot id changed
+    RELEASE = "release"  # an operator released the device
+
+
+_ENDED_BY: dict[ClearsBy, frozenset[Evidence]] = {
+    ClearsBy.NOTHING: frozenset(Evidence),
+    ClearsBy.CONDITION: frozenset(
+        {Evidence.GONE, Evidence.RESET, Evidence.REBOOT, Evidence.RELEASE}
+    ),
+    ClearsBy.QUIET: frozenset(
+        {Evidence.GONE, Evidence.QUIET, Evidence.RESET, Evidence.REBOOT, Evidence.RELEASE}
+    ),
+    ClearsBy.RESET: frozenset({Evidence.RESET, Evidence.REBOOT, Evidence.RELEASE}),
+    ClearsBy.REBOOT: frozenset({Evidence.REBOOT, Evidence.RELEASE}),
+    ClearsBy.RELEASE: frozenset({Evidence.RELEASE}),
+}
+
+
+def ends(clears_by: ClearsBy, evidence: Evidence) -> bool:
+    """Whether `evidence` ends a condition that `clears_by` clears. An operator's release ends
+    everything; a reboot ends everything but what needs a person; a reset ends what a reset
+    clears; a source saying "over" ends only what lasts while reported."""
+    return evidence in _ENDED_BY[clears_by]
+
+
 @dataclass(frozen=True)
 class HealthEvent:
     """One observation about one device (or, with `device_id` None, a whole vendor's monitor).
@@ -28,7 +78,8 @@ class HealthEvent:
     `reason` is short and stable (`XID79`, `ECC_DBE`, `GPU_LOST`, `NODE_VANISHED`,
     `NPU_HEALTH_Critical`, `NVML_INIT_FAILED`) — it names metric labels and node conditions.
     `cleared` reports that a condition a poller saw earlier is gone (the poll reads OK again).
-    `at` is a monotonic timestamp.
+    `at` is a monotonic timestamp. `clears_by` says what ends the condition (None: derived from
+    the vendor's catalog by reason and code).
     """
 
     vendor: Vendor
@@ -39,6 +90,7 @@ class HealthEvent:
     detail: str = ""
     code: int | None = None
     cleared: bool = False
+    clears_by: ClearsBy | None = None  # None: `health.classify.what_clears` decides
 
 
 @dataclass(frozen=True)

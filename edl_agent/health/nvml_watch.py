@@ -108,6 +108,14 @@ class NvmlWatcher:
         self._thread = threading.Thread(target=self._run, name="nvml-watch", daemon=True)
         self._thread.start()
 
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def restart(self) -> None:
+        """Start a new thread after this one died (the supervisor's call)."""
+        self._thread = None
+        self.start()
+
     def stop(self, timeout: float = 2.0) -> None:
         """Ask the loop to end and join it; it notices within `wait_ms`."""
         self._stop.set()

@@ -230,7 +230,11 @@ def poll(
     if poller is None:
         msg = f"no polled health for {vendor.value}"
         raise ValueError(msg)
-    return poller(root, devices, settings, clock=clock)
+    try:
+        return poller(root, devices, settings, clock=clock)
+    except Exception as exc:  # a poll never raises: whatever broke is the monitor failing
+        detail = f"{type(exc).__name__}: {exc}"[:300]
+        return _failed(vendor, f"{vendor.value.upper()}_POLL_FAILED", detail, clock())
 
 
 def clears(active: Mapping[str | None, HealthEvent], result: PollResult) -> list[HealthEvent]:

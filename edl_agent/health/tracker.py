@@ -1,28 +1,47 @@
-"""Which devices are unhealthy and why, from the stream of health events, with hysteresis.
+"""Which devices are unhealthy, why, and what it takes to bring each back. Pure state: events,
+evidence and `now` in; conditions and transitions out; no clocks, threads or I/O.
 
-Pure state: events and `now` in, conditions and transitions out; no clocks, threads or I/O.
+Every severe event opens (or refreshes) a condition on its device, which carries what clears it
+(`ClearsBy`, from the vendor's catalog through `what_clears`). A condition ends only on evidence
+that clears its kind (`health.model.ends`):
 
-- ignore/warn events are only counted.
-- device-fatal events make a device unhealthy until `quiet_seconds` pass with no new fatal
-  event of that reason (a poller that keeps seeing a fault keeps re-reporting it, so the device
-  stays unhealthy while the fault lasts and for the quiet period after).
-- node-fatal events (GPU off the bus, device node gone) hold until `sound()` is told that
-  re-discovery found the device sound again.
-- vendor-wide events (`device_id` None: the vendor's monitor itself failed) make every device of
-  that vendor unhealthy until a `cleared` event for the same reason.
+- `condition`: its source says it is over (a poll reads OK, the /dev node is back);
+- `quiet`: `quiet_seconds` without a repeat (only where an operator chose it per code);
+- `reset`: a reset of that device was observed, or the agent reset it and validated it;
+- `reboot`: the node's boot id changed;
+- `release`: an operator released the device.
+
+Time alone ends nothing severe. Ignore/warn events are only counted. Vendor-wide events
+(`device_id` None) are about the vendor's monitor: a severe one (NVML cannot start) makes every
+device of the vendor unhealthy until its `cleared` event; a warning (a vendor tool failing) marks
+the monitor failed without taking devices away (`monitor_failures`).
+
+A repeat of an open condition is the hot path under a flood (100,000 identical XIDs): it costs a
+dictionary update and produces no transition.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
-from collections.abc import Collection, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass, field, replace
 
 from edl_agent.devices.model import Device, Vendor
-from edl_agent.health.model import HealthEvent, Level
+from edl_agent.health.model import ClearsBy, Evidence, HealthEvent, Level, ends
 
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
+
+# Stricter first: when one reason is reported with two clearing kinds, the stricter holds.
+_STRICTNESS = (
+    ClearsBy.NOTHING,
+    ClearsBy.CONDITION,
+    ClearsBy.QUIET,
+    ClearsBy.RESET,
+    ClearsBy.REBOOT,
+    ClearsBy.RELEASE,
+)
 
 
 @dataclass(frozen=True)
@@ -32,6 +51,8 @@ class Condition:
     since: float
     last_seen: float
     detail: str = ""
+    clears_by: ClearsBy = ClearsBy.CONDITION
+    count: int = 1
 
 
 @dataclass(frozen=True)
@@ -40,6 +61,7 @@ class Transition:
     to: str  # Healthy / Unhealthy
     reason: str
     detail: str = ""
+    evidence: Evidence | None = None  # what ended it (to Healthy)
 
 
 @dataclass
@@ -53,68 +75,179 @@ class HealthCounters:
     )  # device, to, reason
 
 
+def _default_clears_by(event: HealthEvent) -> ClearsBy:
+    if event.clears_by is not None:
+        return event.clears_by
+    return ClearsBy.CONDITION if event.level.unhealthy else ClearsBy.NOTHING
+
+
 class HealthTracker:
-    def __init__(self, *, quiet_seconds: float) -> None:
+    def __init__(
+        self,
+        *,
+        quiet_seconds: float,
+        clears_by: Callable[[HealthEvent], ClearsBy] = _default_clears_by,
+    ) -> None:
         self.quiet_seconds = quiet_seconds
+        self._clears_by = clears_by
         self._device: dict[str, dict[str, Condition]] = {}
+        self._vendor_of: dict[str, Vendor] = {}
         self._vendor: dict[Vendor, dict[str, Condition]] = {}
+        self._monitor: dict[Vendor, dict[str, Condition]] = {}
         self.counts = HealthCounters()
+
+    # --- events ----------------------------------------------------------------------------------
 
     def observe(self, event: HealthEvent, devices: Iterable[Device]) -> list[Transition]:
         """Apply one event; returns the devices whose health changed because of it."""
-        before = self.unhealthy(devices)
         target = event.device_id or ""
         self.counts.events[(target, event.reason, event.level.value)] += 1
         if event.code is not None and event.reason.startswith("XID"):
             self.counts.xid_errors[(target, event.code)] += 1
-        table = self._table(event)
+        if event.device_id is None:
+            return self._observe_vendor(event, devices)
+        return self._observe_device(event, event.device_id)
+
+    def _observe_device(self, event: HealthEvent, device_id: str) -> list[Transition]:
+        self._vendor_of[device_id] = event.vendor
         if event.cleared:
-            if event.device_id is None:
-                table.pop(event.reason, None)
-        elif event.level.unhealthy:
-            current = table.get(event.reason)
-            table[event.reason] = Condition(
-                reason=event.reason,
-                level=event.level,
-                since=current.since if current is not None else event.at,
+            return self.clear([device_id], Evidence.GONE, reasons={event.reason})
+        if not event.level.unhealthy:
+            return []
+        clears_by = self._clears_by(event)
+        if clears_by is ClearsBy.NOTHING:
+            return []
+        conditions = self._device.setdefault(device_id, {})
+        current = conditions.get(event.reason)
+        if current is not None:  # a repeat: no transition, whatever the flood
+            conditions[event.reason] = replace(
+                current,
+                level=max(current.level, event.level, key=_LEVEL_RANK.__getitem__),
                 last_seen=event.at,
-                detail=event.detail,
+                detail=event.detail or current.detail,
+                clears_by=max(current.clears_by, clears_by, key=_STRICTNESS.index),
+                count=current.count + 1,
             )
-        return self._diff(before, self.unhealthy(devices))
+            return []
+        was = self._unhealthy_device(device_id)
+        conditions[event.reason] = Condition(
+            reason=event.reason,
+            level=event.level,
+            since=event.at,
+            last_seen=event.at,
+            detail=event.detail,
+            clears_by=clears_by,
+        )
+        if was:
+            return []
+        return self._counted([Transition(device_id, UNHEALTHY, event.reason, event.detail)])
 
-    def expire(self, now: float, devices: Iterable[Device]) -> list[Transition]:
-        """Let device-fatal conditions that have been quiet long enough recover."""
-        before = self.unhealthy(devices)
-        for conditions in self._device.values():
-            for reason, condition in list(conditions.items()):
-                quiet = now - condition.last_seen >= self.quiet_seconds
-                if condition.level is Level.DEVICE_FATAL and quiet:
-                    del conditions[reason]
-        return self._diff(before, self.unhealthy(devices))
+    def _observe_vendor(self, event: HealthEvent, devices: Iterable[Device]) -> list[Transition]:
+        listed = list(devices)
+        before = self.unhealthy(listed)
+        severe = self._vendor.setdefault(event.vendor, {})
+        monitor = self._monitor.setdefault(event.vendor, {})
+        if event.cleared:
+            severe.pop(event.reason, None)
+            monitor.pop(event.reason, None)
+        else:
+            table = severe if event.level.unhealthy else monitor
+            if event.level is not Level.IGNORE:
+                current = table.get(event.reason)
+                table[event.reason] = Condition(
+                    reason=event.reason,
+                    level=event.level,
+                    since=current.since if current is not None else event.at,
+                    last_seen=event.at,
+                    detail=event.detail,
+                    count=current.count + 1 if current is not None else 1,
+                )
+        return self._diff(before, self.unhealthy(listed))
 
-    def sound(
+    def monitor_ok(self, vendor: Vendor) -> None:
+        """The vendor's monitor worked again: its non-severe failures are over."""
+        self._monitor.pop(vendor, None)
+
+    # --- evidence --------------------------------------------------------------------------------
+
+    def clear(
         self,
-        device_ids: Collection[str],
-        devices: Iterable[Device],
+        device_ids: Iterable[str],
+        evidence: Evidence,
         *,
         reasons: Collection[str] | None = None,
         seen_before: float | None = None,
     ) -> list[Transition]:
-        """These devices were found sound: their node-fatal conditions end — only those of
-        `reasons` when given, and only those last seen before `seen_before` when given (a
-        condition a poller reported a moment ago is still there, whatever discovery says)."""
-        before = self.unhealthy(devices)
-        for device_id in device_ids:
-            conditions = self._device.get(device_id, {})
+        """End the conditions of these devices that `evidence` clears — only those of `reasons`
+        when given, and only those last seen before `seen_before` when given (a condition a
+        poller reported a moment ago is still there, whatever else says)."""
+        changes: list[Transition] = []
+        for device_id in dict.fromkeys(device_ids):
+            conditions = self._device.get(device_id)
+            if not conditions:
+                continue
+            was = self._unhealthy_device(device_id)
+            worst = _worst(conditions.values())
             for reason, condition in list(conditions.items()):
-                if condition.level is not Level.NODE_FATAL:
-                    continue
                 if reasons is not None and reason not in reasons:
                     continue
                 if seen_before is not None and condition.last_seen >= seen_before:
                     continue
-                del conditions[reason]
-        return self._diff(before, self.unhealthy(devices))
+                if ends(condition.clears_by, evidence):
+                    del conditions[reason]
+            if was and not self._unhealthy_device(device_id):
+                changes.append(Transition(device_id, HEALTHY, worst.reason, evidence=evidence))
+        return self._counted(changes)
+
+    def expire(self, now: float) -> list[Transition]:
+        """End the `quiet` conditions that have not repeated for `quiet_seconds`."""
+        quiet = [
+            device_id
+            for device_id, conditions in self._device.items()
+            if any(
+                c.clears_by is ClearsBy.QUIET and now - c.last_seen >= self.quiet_seconds
+                for c in conditions.values()
+            )
+        ]
+        # Quiet for exactly `quiet_seconds` counts: "before" the next representable instant.
+        since = math.nextafter(now - self.quiet_seconds, math.inf)
+        return self.clear(quiet, Evidence.QUIET, seen_before=since)
+
+    def reboot(self) -> list[Transition]:
+        """The node rebooted: everything but what needs a person ends."""
+        return self.clear(list(self._device), Evidence.REBOOT)
+
+    def escalate(self, device_id: str, *, to: ClearsBy = ClearsBy.RELEASE) -> bool:
+        """Make the reset-class conditions of a device wait for `to` instead (a reset that was
+        tried and did not help); True when any changed."""
+        conditions = self._device.get(device_id, {})
+        changed = False
+        for reason, condition in list(conditions.items()):
+            if condition.clears_by is ClearsBy.RESET:
+                conditions[reason] = replace(condition, clears_by=to)
+                changed = True
+        return changed
+
+    # --- persistence -----------------------------------------------------------------------------
+
+    def quarantined(self) -> dict[str, list[Condition]]:
+        """The conditions that outlive an agent restart (reset, reboot, release), by device."""
+        kept = {
+            device_id: [c for c in conditions.values() if c.clears_by.persistent]
+            for device_id, conditions in self._device.items()
+        }
+        return {device_id: found for device_id, found in kept.items() if found}
+
+    def restore(self, device_id: str, conditions: Iterable[Condition]) -> None:
+        """Reopen conditions saved by an earlier run (before the first ListAndWatch)."""
+        table = self._device.setdefault(device_id, {})
+        for condition in conditions:
+            table.setdefault(condition.reason, condition)
+
+    # --- views -----------------------------------------------------------------------------------
+
+    def conditions(self, device_id: str) -> list[Condition]:
+        return list(self._device.get(device_id, {}).values())
 
     def unhealthy(self, devices: Iterable[Device]) -> dict[str, Condition]:
         """Every unhealthy device (of `devices`, plus those only known by id) and its worst,
@@ -132,12 +265,21 @@ class HealthTracker:
         return result
 
     def vendor_conditions(self) -> Mapping[Vendor, Condition]:
+        """Vendors whose monitor failed so that their devices are unhealthy."""
         return {v: _worst(c.values()) for v, c in self._vendor.items() if c}
 
-    def _table(self, event: HealthEvent) -> dict[str, Condition]:
-        if event.device_id is None:
-            return self._vendor.setdefault(event.vendor, {})
-        return self._device.setdefault(event.device_id, {})
+    def monitor_failures(self) -> Mapping[Vendor, Condition]:
+        """Vendors whose monitor failed (severe or not): readiness and the node condition."""
+        failed = {v: _worst(c.values()) for v, c in self._monitor.items() if c}
+        return {**failed, **self.vendor_conditions()}
+
+    # --- internals -------------------------------------------------------------------------------
+
+    def _unhealthy_device(self, device_id: str) -> bool:
+        if self._device.get(device_id):
+            return True
+        vendor = self._vendor_of.get(device_id)
+        return vendor is not None and bool(self._vendor.get(vendor))
 
     def _diff(
         self, before: Mapping[str, Condition], after: Mapping[str, Condition]
@@ -147,14 +289,22 @@ class HealthTracker:
             for device_id in sorted(after.keys() - before.keys())
         ]
         changes += [
-            Transition(device_id, HEALTHY, before[device_id].reason)
+            Transition(device_id, HEALTHY, before[device_id].reason, evidence=Evidence.GONE)
             for device_id in sorted(before.keys() - after.keys())
         ]
+        return self._counted(changes)
+
+    def _counted(self, changes: list[Transition]) -> list[Transition]:
         for change in changes:
             self.counts.transitions[(change.device_id, change.to, change.reason)] += 1
         return changes
 
 
+_LEVEL_RANK = {Level.IGNORE: 0, Level.WARN: 1, Level.DEVICE_FATAL: 2, Level.NODE_FATAL: 3}
+
+
 def _worst(conditions: Iterable[Condition]) -> Condition:
-    order = {Level.NODE_FATAL: 2, Level.DEVICE_FATAL: 1}
-    return max(conditions, key=lambda c: (order.get(c.level, 0), c.last_seen))
+    return max(
+        conditions,
+        key=lambda c: (_STRICTNESS.index(c.clears_by), _LEVEL_RANK[c.level], c.last_seen),
+    )

@@ -8,7 +8,11 @@
   `NodeVanished`, `NPUHealthCritical`); anything but letters and digits is dropped and a reason
   that would not start with a letter gets `Fault` in front.
 - `message` says how many devices are unhealthy and names each one — vendor, index and id — with
-  its fault as the health monitor reported it (`XID79`) and the detail; at most 1024 characters.
+  its fault as the health monitor reported it (`XID79`), the detail and what it waits for (a
+  reset, a reboot, an operator's release); at most 1024 characters.
+- a vendor whose monitor fails (its tool broken) while no device is unhealthy makes the status
+  `Unknown` (reason `<TOOL>Failed`): the devices stay advertised as they were, but nobody can say
+  whether they are healthy. The message names the failing monitors in every status.
 - `lastHeartbeatTime` is the time of every write (changes and periodic resyncs);
   `lastTransitionTime` changes only when `status` does.
 """
@@ -21,9 +25,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from edl_agent.devices.model import Device, Inventory
-from edl_agent.health.model import Level
+from edl_agent.devices.model import Device, Inventory, Vendor
+from edl_agent.health.model import ClearsBy, Level
 from edl_agent.health.tracker import Condition
+from edl_agent.labels.cordon import RELEASE_DEVICES
 
 CONDITION_TYPE = "AcceleratorHealthy"
 HEALTHY_REASON = "AcceleratorsHealthy"
@@ -32,6 +37,12 @@ ACRONYMS = frozenset(
     {"GPU", "NPU", "XPU", "DCU", "XID", "ECC", "DBE", "SBE", "NVML", "PCI", "PCIE", "HBM", "AI"}
 )
 _SEVERITY = {Level.NODE_FATAL: 0, Level.DEVICE_FATAL: 1}
+WAITS_FOR: Mapping[ClearsBy, str] = {
+    ClearsBy.QUIET: "clears when quiet",
+    ClearsBy.RESET: "waits for a reset",
+    ClearsBy.REBOOT: "waits for a reboot",
+    ClearsBy.RELEASE: f"waits for a release ({RELEASE_DEVICES})",
+}
 
 
 @dataclass(frozen=True)
@@ -43,6 +54,7 @@ class DeviceFault:
     reason: str  # as the health monitor reported it: `XID79`, `GPU_LOST`
     detail: str
     level: Level
+    clears_by: ClearsBy = ClearsBy.CONDITION
 
     @property
     def summary(self) -> str:
@@ -50,7 +62,8 @@ class DeviceFault:
         return f"{self.reason}: {self.detail}" if self.detail else self.reason
 
     def describe(self) -> str:
-        return f"{self.name} {self.summary}"
+        waits = WAITS_FOR.get(self.clears_by)
+        return f"{self.name} {self.summary}" + (f" ({waits})" if waits else "")
 
 
 @dataclass(frozen=True)
@@ -61,16 +74,23 @@ class AcceleratorHealth:
     reason: str
     message: str
     faults: tuple[DeviceFault, ...] = ()
+    unknown: bool = False  # a monitor fails and no device is known to be unhealthy
 
     @property
     def status(self) -> str:
+        if self.unknown:
+            return "Unknown"
         return "True" if self.healthy else "False"
 
 
 def accelerator_health(
-    *, inventory: Inventory, unhealthy: Mapping[str, Condition]
+    *,
+    inventory: Inventory,
+    unhealthy: Mapping[str, Condition],
+    monitors: Mapping[Vendor, Condition] | None = None,
 ) -> AcceleratorHealth:
-    """The condition for `unhealthy` (device id → its worst condition) on this inventory."""
+    """The condition for `unhealthy` (device id → its worst condition) on this inventory, and
+    the vendors whose health monitor fails (`monitors`)."""
     devices = {d.id: d for d in inventory.devices}
     physical = sum(d.parent is None for d in inventory.devices)
     ordered = sorted(
@@ -84,13 +104,24 @@ def accelerator_health(
             reason=condition.reason,
             detail=condition.detail,
             level=condition.level,
+            clears_by=condition.clears_by,
         )
         for device_id, condition in ordered
     )
+    failing = sorted((monitors or {}).items(), key=lambda item: item[0].value)
+    note = "".join(
+        f"; {vendor.value} health monitor failing: {c.reason}"
+        + (f" ({c.detail})" if c.detail else "")
+        for vendor, c in failing
+    )
     if not faults:
+        if failing:
+            message = _cut(f"health of {physical} accelerators unknown" + note)
+            reason = condition_reason(failing[0][1].reason)
+            return AcceleratorHealth(True, reason, message, unknown=True)
         return AcceleratorHealth(True, HEALTHY_REASON, f"all {physical} accelerators healthy")
     head = f"{len(faults)} of {max(physical, len(faults))} accelerators unhealthy: "
-    message = _cut(head + "; ".join(f.describe() for f in faults))
+    message = _cut(head + "; ".join(f.describe() for f in faults) + note)
     return AcceleratorHealth(False, condition_reason(faults[0].reason), message, faults)
 
 

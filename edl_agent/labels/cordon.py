@@ -10,6 +10,12 @@ for a physical device (`nvidia:3`, `ascend:0`):
 The agent advertises cordoned devices Unhealthy and refuses to allocate them (a cordoned GPU
 takes its MIG devices along); removing the annotation, or a device from it, brings them back.
 Entries naming no known device are reported, so a typo shows up in the log.
+
+`edl.io/release-devices` takes the same list and is a one-off command: the agent ends every
+quarantine of the named devices (whatever it waited for: a reset, a reboot, a person), then
+removes the annotation. A fault that comes after is quarantined again as usual:
+
+    kubectl annotate node gpu-17 edl.io/release-devices=nvidia:3
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from dataclasses import dataclass
 from edl_agent.devices.model import Device
 
 CORDONED_DEVICES = "edl.io/cordoned-devices"
+RELEASE_DEVICES = "edl.io/release-devices"
 _BY_INDEX = re.compile(r"([A-Za-z]+):(\d+)")
 
 
@@ -28,6 +35,14 @@ _BY_INDEX = re.compile(r"([A-Za-z]+):(\d+)")
 class Cordon:
     device_ids: frozenset[str]
     unknown: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Release:
+    """The devices an operator releases, and the annotation value that named them."""
+
+    devices: Cordon
+    value: str
 
 
 def parse_cordoned(text: str | None) -> tuple[str, ...]:

@@ -30,7 +30,13 @@ from edl_agent.labels.condition import (
     find_condition,
     node_condition,
 )
-from edl_agent.labels.cordon import Cordon, cordon_annotation, cordoned_devices
+from edl_agent.labels.cordon import (
+    RELEASE_DEVICES,
+    Cordon,
+    Release,
+    cordon_annotation,
+    cordoned_devices,
+)
 from edl_agent.labels.events import EventSpec, health_events
 from edl_agent.labels.features import write_features_file
 from edl_agent.labels.ownership import label_patch
@@ -74,11 +80,13 @@ class NodeUpdater:
         health: AcceleratorHealth,
         now: datetime,
         force: bool = False,
+        announced: Sequence[EventSpec] = (),
     ) -> SyncResult:
         """Bring the Node to `labels` and `health`; events for the faults that changed since the
-        last sync. Each part is tried even when another fails; the first failure is raised."""
+        last sync, and the `announced` ones (remediation steps, releases). Each part is tried
+        even when another fails; the first failure is raised."""
         desired = dict(labels)
-        events = health_events(self._faults, health.faults)
+        events = [*health_events(self._faults, health.faults), *announced]
         self._faults = health.faults
         labels_due = self.settings.labels != "off" and (force or desired != self._labels)
         condition_due = force or _shown(health) != _shown(self._health)
@@ -130,6 +138,40 @@ class NodeUpdater:
             node = self._node
         annotations = (node or {}).get("metadata", {}).get("annotations")
         return cordoned_devices(cordon_annotation(annotations), devices)
+
+    def released(self, devices: Sequence[Device]) -> Release | None:
+        """The devices an operator releases through `edl.io/release-devices` on the Node last
+        seen, with the annotation's value; None when the annotation is not there."""
+        with self._lock:
+            node = self._node
+        value = ((node or {}).get("metadata", {}).get("annotations") or {}).get(RELEASE_DEVICES)
+        if value is None:
+            return None
+        return Release(cordoned_devices(value, devices), value)
+
+    def forget_release(self, value: str) -> bool:
+        """Remove `edl.io/release-devices` once its release is done, if it still reads `value`
+        (an operator who changed it since is seen again on the next watch event); True when
+        removed. The resourceVersion precondition makes the check and the removal one step."""
+        if self.api is None:
+            return False
+        node = self.read()
+        metadata = node.get("metadata", {})
+        if (metadata.get("annotations") or {}).get(RELEASE_DEVICES) != value:
+            return False
+        patch = {
+            "metadata": {
+                "resourceVersion": metadata.get("resourceVersion"),
+                "annotations": {RELEASE_DEVICES: None},
+            }
+        }
+        try:
+            self.observe(self.api.patch_node(self.node_name, patch))
+        except ApiError as exc:
+            if exc.status != CONFLICT:
+                raise
+            return False
+        return True
 
     def _write_labels(self, api: KubeApi, desired: dict[str, str]) -> bool:
         for _ in range(ATTEMPTS):

@@ -16,13 +16,16 @@ from datetime import UTC, datetime
 
 import structlog
 
+from edl_agent.backoff import Backoff
 from edl_agent.config import Settings
 from edl_agent.devices.hostroot import HostRoot
+from edl_agent.devices.model import Vendor
 from edl_agent.health.tracker import Condition
 from edl_agent.kube import ApiError, KubeApi
 from edl_agent.labels.compute import node_labels
 from edl_agent.labels.condition import accelerator_health
 from edl_agent.labels.cordon import Cordon
+from edl_agent.labels.events import EventSpec
 from edl_agent.labels.node import NodeUpdater
 from edl_agent.labels.watching import NodeWatcher
 from edl_agent.plugin.state import DeviceState
@@ -41,11 +44,18 @@ class NodePublisher:
         root: HostRoot,
         unhealthy: Callable[[], Mapping[str, Condition]],
         on_cordon: Callable[[Cordon], None],
+        on_release: Callable[[Cordon], None] = lambda _: None,
+        monitors: Callable[[], Mapping[Vendor, Condition]] = dict,
     ) -> None:
         self._settings = settings
         self._state = state
         self._unhealthy = unhealthy
         self._on_cordon = on_cordon
+        self._on_release = on_release
+        self._released: str | None = None
+        self._announced: list[EventSpec] = []
+        self._announce_lock = threading.Lock()
+        self._monitors = monitors
         node = state.snapshot().inventory.node
         self.updater = NodeUpdater(api=api, node_name=node, settings=settings.node)
         self.watcher = NodeWatcher(api, node, self.updater.observe) if api is not None else None
@@ -61,6 +71,25 @@ class NodePublisher:
         self._thread = threading.Thread(target=self._run, name="node-publisher", daemon=True)
         self._thread.start()
 
+    def announce(self, event: EventSpec) -> None:
+        """An event for the Node that no health change implies (a reset by the agent, an
+        operator's release), sent with the next write (any thread)."""
+        with self._announce_lock:
+            self._announced.append(event)
+        self._state.wake()
+
+    def alive(self) -> bool:
+        watching = self.watcher is None or self.watcher.alive()
+        return watching and self._thread is not None and self._thread.is_alive()
+
+    def restart(self) -> None:
+        """Start what died again (the supervisor's call)."""
+        if self.watcher is not None and not self.watcher.alive():
+            self.watcher.restart()
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="node-publisher", daemon=True)
+            self._thread.start()
+
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
         self._state.wake()
@@ -72,7 +101,7 @@ class NodePublisher:
     def _run(self) -> None:
         version = 0
         next_resync = 0.0
-        backoff = 0.0
+        backoff = Backoff(initial=2.0, maximum=MAX_BACKOFF_SECONDS)
         while not self._stop.is_set():
             now = time.monotonic()
             force = now >= next_resync
@@ -80,17 +109,17 @@ class NodePublisher:
                 version = self.publish(force=force)
             except ApiError as exc:
                 self.failures += 1
-                backoff = min(max(backoff * 2, 1.0), MAX_BACKOFF_SECONDS)
-                self._log.warning("node update failed", error=str(exc), retry_in=backoff)
-                self._stop.wait(backoff)
+                delay = backoff.next_delay()
+                self._log.warning("node update failed", error=str(exc), retry_in=round(delay, 2))
+                self._stop.wait(delay)
                 continue
             except Exception:  # a bug here must not end the loop for good
                 self.failures += 1
-                backoff = min(max(backoff * 2, 1.0), MAX_BACKOFF_SECONDS)
-                self._log.exception("node publisher failed", retry_in=backoff)
-                self._stop.wait(backoff)
+                delay = backoff.next_delay()
+                self._log.exception("node publisher failed", retry_in=round(delay, 2))
+                self._stop.wait(delay)
                 continue
-            backoff = 0.0
+            backoff.reset()
             if force:
                 next_resync = now + self._settings.node.resync_seconds
             self._state.wait_newer(version, WAKE_SECONDS, self._stop)
@@ -101,6 +130,16 @@ class NodePublisher:
         inventory = snapshot.inventory
         cordon = self.updater.cordoned(inventory.devices)
         self._on_cordon(cordon)
+        release = self.updater.released(inventory.devices)
+        # Once per value: an annotation the agent could not remove must not go on releasing
+        # every new fault.
+        if release is not None and release.value != self._released:
+            self._on_release(release.devices)
+            self._released = release.value
+            if self.updater.forget_release(release.value):
+                self._log.info("release done, annotation removed", value=release.value)
+        elif release is None:
+            self._released = None
         unhealthy = self._unhealthy()
         labels = node_labels(
             inventory=inventory,
@@ -109,6 +148,12 @@ class NodePublisher:
             machine=self._machine,
             cordoned=cordon.device_ids,
         )
-        health = accelerator_health(inventory=inventory, unhealthy=unhealthy)
-        self.updater.sync(labels=labels, health=health, now=datetime.now(UTC), force=force)
+        health = accelerator_health(
+            inventory=inventory, unhealthy=unhealthy, monitors=self._monitors()
+        )
+        with self._announce_lock:
+            announced, self._announced = self._announced, []
+        self.updater.sync(
+            labels=labels, health=health, now=datetime.now(UTC), force=force, announced=announced
+        )
         return snapshot.version

@@ -244,6 +244,21 @@ class _Families:
             labels=("device_id", "reason", "level"),
         )
     )
+    quarantined: GaugeMetricFamily = field(
+        default_factory=lambda: GaugeMetricFamily(
+            "edl_device_quarantined",
+            "1 for each open condition keeping a device out of service, by what clears it "
+            "(condition, quiet, reset, reboot, release).",
+            labels=("device_id", "reason", "clears_by"),
+        )
+    )
+    monitor_up: GaugeMetricFamily = field(
+        default_factory=lambda: GaugeMetricFamily(
+            "edl_health_monitor_up",
+            "1 while the vendor's health monitor works (NVML events, its tool's polls), else 0.",
+            labels=("vendor",),
+        )
+    )
     discovery: GaugeMetricFamily = field(
         default_factory=lambda: GaugeMetricFamily(
             "edl_discovery_duration_seconds", "How long the latest device discovery took."
@@ -276,6 +291,29 @@ class _Families:
             "edl_agent_step_failures",
             "Times a supervised step of the agent raised, by step.",
             labels=("step",),
+        )
+    )
+    part_up: GaugeMetricFamily = field(
+        default_factory=lambda: GaugeMetricFamily(
+            "edl_part_up",
+            "1 while a supervised part of the agent runs (plugins, rediscovery, poll-<vendor>, "
+            "nvml-watch, node-publisher, ...), 0 while it waits to be started again.",
+            labels=("part",),
+        )
+    )
+    part_restarts: CounterMetricFamily = field(
+        default_factory=lambda: CounterMetricFamily(
+            "edl_part_restarts",
+            "Times a supervised part of the agent died and was started again.",
+            labels=("part",),
+        )
+    )
+    remediations: CounterMetricFamily = field(
+        default_factory=lambda: CounterMetricFamily(
+            "edl_remediations",
+            "Resets of idle quarantined devices by the agent, by vendor and result (reset: "
+            "validated and back in service; failed; escalated: waits for an operator's release).",
+            labels=("vendor", "result"),
         )
     )
     source_errors: CounterMetricFamily = field(
@@ -327,6 +365,10 @@ def _health(families: _Families, snapshot: Snapshot | None, counts: HealthCounts
         families.transitions.add_metric([device_id, to, reason], count)
     for (device_id, reason, level), count in sorted(counts.events.items()):
         families.events.add_metric([device_id, reason, str(level)], count)
+    for device_id, reason, clears_by in sorted(counts.quarantined):
+        families.quarantined.add_metric([device_id, reason, clears_by], 1)
+    for vendor, up in sorted(counts.monitors.items()):
+        families.monitor_up.add_metric([vendor], 1.0 if up else 0.0)
 
 
 def _agent(families: _Families, counts: AgentCounts) -> None:
@@ -337,6 +379,11 @@ def _agent(families: _Families, counts: AgentCounts) -> None:
     families.server_restarts.add_metric([], counts.plugin_server_restarts)
     for step, count in sorted(counts.step_failures.items()):
         families.step_failures.add_metric([step], count)
+    for part, (up, restarts) in sorted(counts.parts.items()):
+        families.part_up.add_metric([part], 1.0 if up else 0.0)
+        families.part_restarts.add_metric([part], restarts)
+    for (vendor, result), count in sorted(counts.remediations.items()):
+        families.remediations.add_metric([vendor, result], count)
 
 
 def _identity(snapshot: Snapshot | None, device_id: str) -> list[str]:

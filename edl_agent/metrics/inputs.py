@@ -30,6 +30,10 @@ class HealthCounts:
     """(device_id, to_health, reason) → health changes, `to_health` being Healthy/Unhealthy."""
     events: Mapping[tuple[str, str, str], int] = field(default_factory=dict)
     """(device_id, reason, level) → health events seen."""
+    quarantined: frozenset[tuple[str, str, str]] = frozenset()
+    """(device_id, reason, clears_by) of every open condition that keeps a device out."""
+    monitors: Mapping[str, bool] = field(default_factory=dict)
+    """Vendor → whether its health monitor works (vendors the node has)."""
 
 
 @dataclass(frozen=True)
@@ -44,3 +48,7 @@ class AgentCounts:
     plugin_server_restarts: int = 0
     step_failures: Mapping[str, int] = field(default_factory=dict)
     """Supervised step name → times it raised."""
+    parts: Mapping[str, tuple[bool, int]] = field(default_factory=dict)
+    """Supervised part → (running now, times it died and was started again)."""
+    remediations: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    """(vendor, result) → resets by the agent; zeros for every result once remediation is on."""

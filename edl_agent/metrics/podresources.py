@@ -74,16 +74,21 @@ class PodResourcesClient:
 
     def pod_devices(self, units: Units) -> dict[str, list[PodRef]]:
         """Physical device id → containers holding it; {} when kubelet cannot be asked."""
+        return self.pod_devices_known(units) or {}
+
+    def pod_devices_known(self, units: Units) -> dict[str, list[PodRef]] | None:
+        """As `pod_devices`, but None when kubelet could not be asked: an action that must not
+        touch a held device (a reset) cannot take "no answer" for "no pods"."""
         with self._lock:
             try:
                 response = self._list()
             except Exception as exc:  # a scrape must never fail on attribution
                 self._drop_channel()
                 self._report(_describe(exc))
-                return {}
+                return None
             if response is None:
                 self._problem = None  # absent socket: quiet, and a later failure is news again
-                return {}
+                return None
             if self._problem is not None:
                 self._log.info("pod-resources API answers again")
                 self._problem = None

@@ -162,6 +162,14 @@ class MetricsServer:
         self._thread.start()
         self._log.info("serving metrics", port=self.port)
 
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def restart(self) -> None:
+        """Serve again after the server thread died (the supervisor's call)."""
+        self.stop()
+        self.start()
+
     def stop(self) -> None:
         """Stop accepting, close the socket and wait for the serving thread."""
         server, thread = self._server, self._thread

@@ -40,9 +40,19 @@ case "$*" in
     case "$npu" in "" | *[!0-9]*) echo "npu-smi (simulated): bad NPU id: $npu" >&2; exit 2 ;; esac
     [ -f "$here/npu-smi.health.$npu.txt" ] && exec cat "$here/npu-smi.health.$npu.txt"
     echo "Error: the device $npu does not exist." >&2; exit 1 ;;
+  "set -t reset -i "*" -c "*)
+    npu=$5
+    case "$npu" in "" | *[!0-9]*) echo "npu-smi (simulated): bad NPU id: $npu" >&2; exit 2 ;; esac
+    if [ ! -f "$here/npu-smi.health.$npu.txt" ]; then
+      echo "Error: the device $npu does not exist." >&2; exit 1
+    fi
+    sed -i -E "s/^(\\| $npu +[^ ]+ *\\| ).{13}( \\|)/\\1OK           \\2/" "$here/npu-smi.info.txt"
+    cp "$here/npu-smi.health-ok.txt" "$here/npu-smi.health.$npu.txt"
+    echo "Status : OK" ;;
   *) echo "npu-smi (simulated): unsupported arguments: $*" >&2; exit 2 ;;
 esac
 """
+HEALTH_OK_OUTPUT = TOOL + ".health-ok.txt"
 
 # Table frame of `npu-smi info` on 910B (npu-smi 24.1 / 25.3 recordings): cells 27, 15, 52 wide.
 _BORDER = "+---------------------------+---------------+" + "-" * 52 + "+"
@@ -103,6 +113,7 @@ def write(spec: AscendSpec, profile: Profile, root: Path) -> None:
     for npu in npus:
         write_file(root, HEALTH_OUTPUT.format(npu=npu.index), npu_smi_health(npu.health))
     write_file(root, TOOL, SCRIPT, mode=0o755)
+    write_file(root, HEALTH_OK_OUTPUT, npu_smi_health("OK"))
 
 
 def npu_smi_info(version: str, npus: list[SimNpu]) -> str:

@@ -30,16 +30,28 @@
  * Fault file: "<library path>.faults", append-only, one fault per line, the verb first and then
  * space-separated fields (written by edl_agent/sim/inject.py; blank lines and '#' ignored):
  *
- *   xid        gpu=3 code=79 [mig=1]   an XID critical error (mig: index of the MIG device it
- *                                      is attributed to, reported as GPU/compute instance ids)
+ *   xid        gpu=3 code=79 [mig=1] [action=N]
+ *                                      an XID critical error (mig: index of the MIG device it
+ *                                      is attributed to, reported as GPU/compute instance ids;
+ *                                      action: the GPU recovery action the driver reports after
+ *                                      it, nvmlDeviceGpuRecoveryAction_t, e.g. 1 GPU_RESET)
  *   ecc_dbe    gpu=3                   a double-bit ECC error: uncorrected counters + 1
  *   ecc_sbe    gpu=3                   a single-bit ECC error: corrected counters + 1
- *   lost       gpu=3                   the GPU falls off the bus
- *   recover    gpu=3                   the GPU is back (as after a reset)
+ *   lost       gpu=3                   the GPU falls off the bus (recovery action NODE_REBOOT)
+ *   recover    gpu=3                   a lost GPU answers again
+ *   reset      gpu=3                   the GPU was reset: volatile ECC counters back to 0, pending
+ *                                      row remapping applied, recovery action NONE; a reset does
+ *                                      not reach a lost GPU or one that needs a reboot
+ *   reboot                             the node rebooted: every GPU as after a reset, lost GPUs
+ *                                      back, init_fail off (aggregate ECC counters stay)
  *   init_fail  on|off                  nvmlInit fails with NVML_ERROR_DRIVER_NOT_LOADED while on
  *   telemetry  gpu=3 [temperature_c=N] [power_w=N] [utilization=N] [memory_used_mib=N]
  *
- * State (lost GPUs, init_fail, ECC counters, telemetry) is the fold of the whole file, redone
+ * nvmlDeviceGetFieldValues answers NVML_FI_DEV_GET_GPU_RECOVERY_ACTION (what the driver says the
+ * GPU needs: an XID with action=, a double-bit ECC error (GPU_RESET) or a lost GPU (NODE_REBOOT)
+ * set it; reset and reboot clear it) and NOT_SUPPORTED for any other field.
+ *
+ * State (lost GPUs, init_fail, ECC counters, recovery actions, telemetry) is the fold of the whole file, redone
  * at the first nvmlInit of a process and brought up to date on later calls, so a restarted
  * agent still sees a lost GPU. Events go only to event sets that existed when the line was
  * appended: a set starts reading at the file's end when it is created, so nothing is replayed.
@@ -125,6 +137,34 @@ enum {
     (nvmlEventTypeSingleBitEccError | nvmlEventTypeDoubleBitEccError | nvmlEventTypePState | \
      nvmlEventTypeXidCriticalError | nvmlEventTypeClock)
 #define XID_GPU_FALLEN_OFF_THE_BUS 79
+#define NVML_FI_DEV_GET_GPU_RECOVERY_ACTION 230
+enum {
+    NVML_GPU_RECOVERY_ACTION_NONE = 0,
+    NVML_GPU_RECOVERY_ACTION_GPU_RESET = 1,
+    NVML_GPU_RECOVERY_ACTION_NODE_REBOOT = 2,
+    NVML_GPU_RECOVERY_ACTION_MAX = 7,
+};
+enum { NVML_VALUE_TYPE_UNSIGNED_INT = 1 };
+
+typedef union {
+    double dVal;
+    unsigned int uiVal;
+    unsigned long ulVal;
+    unsigned long long ullVal;
+    long long sllVal;
+    int siVal;
+    unsigned short usVal;
+} nvmlValue_t;
+
+typedef struct {
+    unsigned int fieldId;
+    unsigned int scopeId;
+    long long timestamp;
+    long long latencyUsec;
+    unsigned int valueType;
+    nvmlReturn_t nvmlReturn;
+    nvmlValue_t value;
+} nvmlFieldValue_t;
 
 typedef struct {
     char busIdLegacy[16];
@@ -208,8 +248,11 @@ struct nvmlDevice_st {
 
     /* GPUs: state the fault file changes while other threads read it (always via atomics). */
     int base_lost; /* lost=1 in the data file */
-    unsigned long long ecc_corrected;
+    unsigned long long ecc_corrected;   /* aggregate: the GPU's whole life */
     unsigned long long ecc_uncorrected;
+    unsigned long long ecc_corrected_volatile; /* since the last reset or reboot */
+    unsigned long long ecc_uncorrected_volatile;
+    unsigned int recovery_action;
     unsigned int temperature_c;
     unsigned int power_usage_mw;
     unsigned int utilization_gpu;
@@ -499,12 +542,21 @@ static int parse_system(struct parser *p, const struct record *r)
     return 1;
 }
 
+/* What a reset clears: volatile counters, pending remaps (they are applied), the action. */
+static void after_reset(struct nvmlDevice_st *gpu)
+{
+    set_ull(&gpu->ecc_corrected_volatile, 0);
+    set_ull(&gpu->ecc_uncorrected_volatile, 0);
+    set_uint(&gpu->recovery_action, NVML_GPU_RECOVERY_ACTION_NONE);
+}
+
 /* The data file's view of a GPU, before any fault. */
 static void reset_dynamic(struct nvmlDevice_st *gpu)
 {
     set_int(&gpu->lost, gpu->base_lost);
     set_ull(&gpu->ecc_corrected, 0);
     set_ull(&gpu->ecc_uncorrected, 0);
+    after_reset(gpu);
     set_uint(&gpu->temperature_c, 33 + gpu->index % 4);
     set_uint(&gpu->power_usage_mw, gpu->power_limit_mw / 10);
     set_uint(&gpu->utilization_gpu, 0);
@@ -719,6 +771,8 @@ enum fault_kind {
     FAULT_ECC_SBE,
     FAULT_LOST,
     FAULT_RECOVER,
+    FAULT_RESET,
+    FAULT_REBOOT,
     FAULT_INIT_FAIL,
     FAULT_TELEMETRY,
 };
@@ -729,7 +783,7 @@ static const struct {
 } fault_verbs[] = {
     {"xid", FAULT_XID},         {"ecc_dbe", FAULT_ECC_DBE},     {"ecc_sbe", FAULT_ECC_SBE},
     {"lost", FAULT_LOST},       {"recover", FAULT_RECOVER},     {"init_fail", FAULT_INIT_FAIL},
-    {"telemetry", FAULT_TELEMETRY},
+    {"telemetry", FAULT_TELEMETRY}, {"reset", FAULT_RESET},         {"reboot", FAULT_REBOOT},
 };
 
 #define UNSET (-1LL)
@@ -739,6 +793,7 @@ struct fault {
     unsigned int gpu;
     unsigned long long code;
     long long mig;
+    long long action;
     int on;
     long long temperature_c, power_w, utilization, memory_used_mib;
 };
@@ -777,7 +832,7 @@ static int fault_field(struct fault *f, char *field, int *has_gpu, int *has_code
     }
     *equals = '\0';
     const char *key = field, *value = equals + 1;
-    if (strcmp(key, "gpu") == 0 && f->kind != FAULT_INIT_FAIL) {
+    if (strcmp(key, "gpu") == 0 && f->kind != FAULT_INIT_FAIL && f->kind != FAULT_REBOOT) {
         if (!fault_number(key, value, UINT_MAX, &number, error, size))
             return 0;
         f->gpu = (unsigned int)number;
@@ -793,6 +848,8 @@ static int fault_field(struct fault *f, char *field, int *has_gpu, int *has_code
     }
     if (strcmp(key, "mig") == 0 && f->kind == FAULT_XID)
         return fault_number(key, value, UINT_MAX, &f->mig, error, size);
+    if (strcmp(key, "action") == 0 && f->kind == FAULT_XID)
+        return fault_number(key, value, NVML_GPU_RECOVERY_ACTION_MAX, &f->action, error, size);
     if (f->kind == FAULT_TELEMETRY) {
         if (strcmp(key, "temperature_c") == 0)
             telemetry = &f->temperature_c;
@@ -823,7 +880,8 @@ static int parse_fault(char *line, struct fault *f, char *error, size_t size)
     if (verb == NULL || verb[0] == '#')
         return 0;
     memset(f, 0, sizeof *f);
-    f->mig = f->temperature_c = f->power_w = f->utilization = f->memory_used_mib = UNSET;
+    f->mig = f->action = f->temperature_c = f->power_w = f->utilization = f->memory_used_mib =
+        UNSET;
     for (size_t i = 0; i < sizeof fault_verbs / sizeof fault_verbs[0]; i++)
         if (strcmp(verb, fault_verbs[i].verb) == 0) {
             f->kind = fault_verbs[i].kind;
@@ -846,6 +904,11 @@ static int parse_fault(char *line, struct fault *f, char *error, size_t size)
         if (!has_on)
             snprintf(error, size, "init_fail needs on or off");
         return has_on ? 1 : -1;
+    }
+    if (f->kind == FAULT_REBOOT) {
+        if (has_gpu)
+            snprintf(error, size, "reboot takes no fields");
+        return has_gpu ? -1 : 1;
     }
     if (!has_gpu || (f->kind == FAULT_XID && !has_code)) {
         snprintf(error, size, "%s needs %s", verb, has_gpu ? "code=" : "gpu=");
@@ -880,23 +943,48 @@ static off_t faults_size(void)
     return stat(faults_file, &st) == 0 ? st.st_size : 0;
 }
 
+/* A reboot outranks a reset: a later GPU_RESET never hides a pending NODE_REBOOT. */
+static void need_action(struct nvmlDevice_st *gpu, unsigned int action)
+{
+    if (get_uint(&gpu->recovery_action) != NVML_GPU_RECOVERY_ACTION_NODE_REBOOT)
+        set_uint(&gpu->recovery_action, action);
+}
+
 static void apply_fault(const struct fault *f)
 {
     struct nvmlDevice_st *gpu = &gpus[f->gpu];
     switch (f->kind) {
     case FAULT_XID:
+        if (f->action != UNSET)
+            need_action(gpu, (unsigned int)f->action);
         break;
     case FAULT_ECC_DBE:
         __atomic_add_fetch(&gpu->ecc_uncorrected, 1, __ATOMIC_RELAXED);
+        __atomic_add_fetch(&gpu->ecc_uncorrected_volatile, 1, __ATOMIC_RELAXED);
+        need_action(gpu, NVML_GPU_RECOVERY_ACTION_GPU_RESET);
         break;
     case FAULT_ECC_SBE:
         __atomic_add_fetch(&gpu->ecc_corrected, 1, __ATOMIC_RELAXED);
+        __atomic_add_fetch(&gpu->ecc_corrected_volatile, 1, __ATOMIC_RELAXED);
         break;
     case FAULT_LOST:
         set_int(&gpu->lost, 1);
+        set_uint(&gpu->recovery_action, NVML_GPU_RECOVERY_ACTION_NODE_REBOOT);
         break;
     case FAULT_RECOVER:
         set_int(&gpu->lost, 0);
+        break;
+    case FAULT_RESET:
+        if (!get_int(&gpu->lost) &&
+            get_uint(&gpu->recovery_action) != NVML_GPU_RECOVERY_ACTION_NODE_REBOOT)
+            after_reset(gpu);
+        break;
+    case FAULT_REBOOT:
+        for (unsigned int i = 0; i < gpu_count; i++) {
+            set_int(&gpus[i].lost, gpus[i].base_lost);
+            after_reset(&gpus[i]);
+        }
+        set_int(&init_failing, 0);
         break;
     case FAULT_INIT_FAIL:
         set_int(&init_failing, f->on);
@@ -1906,7 +1994,7 @@ nvmlReturn_t nvmlDeviceGetEccMode(nvmlDevice_t device, unsigned int *current, un
     return ret;
 }
 
-/* The fault file is the GPU's whole history, so volatile and aggregate counters agree. */
+/* Aggregate counters are the fault file's whole history; volatile ones start again at a reset. */
 nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t device, unsigned int error_type,
                                          unsigned int counter_type, unsigned long long *count)
 {
@@ -1918,8 +2006,13 @@ nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t device, unsigned int error
           error_type != NVML_MEMORY_ERROR_TYPE_UNCORRECTED)))
         ret = NVML_ERROR_INVALID_ARGUMENT;
     if (ret == NVML_SUCCESS)
-        *count = get_ull(error_type == NVML_MEMORY_ERROR_TYPE_CORRECTED ? &d->ecc_corrected
-                                                                         : &d->ecc_uncorrected);
+        *count = get_ull(counter_type == NVML_VOLATILE_ECC
+                             ? (error_type == NVML_MEMORY_ERROR_TYPE_CORRECTED
+                                    ? &d->ecc_corrected_volatile
+                                    : &d->ecc_uncorrected_volatile)
+                             : (error_type == NVML_MEMORY_ERROR_TYPE_CORRECTED
+                                    ? &d->ecc_corrected
+                                    : &d->ecc_uncorrected));
     return ret;
 }
 
@@ -1950,8 +2043,7 @@ nvmlReturn_t nvmlDeviceGetRetiredPages(nvmlDevice_t device, unsigned int cause,
     return NVML_SUCCESS;
 }
 
-/* One remapped row per double-bit error on Ampere and later, pending until the GPU is reset
- * (which the simulation never does). */
+/* One remapped row per double-bit error on Ampere and later, pending until the GPU is reset. */
 nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t device, unsigned int *corrected,
                                        unsigned int *uncorrected, unsigned int *pending,
                                        unsigned int *failed)
@@ -1967,10 +2059,38 @@ nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t device, unsigned int *correc
         unsigned long long dbe = get_ull(&d->ecc_uncorrected);
         *corrected = 0;
         *uncorrected = dbe > UINT_MAX ? UINT_MAX : (unsigned int)dbe;
-        *pending = dbe > 0;
+        *pending = get_ull(&d->ecc_uncorrected_volatile) > 0;
         *failed = 0;
     }
     return ret;
+}
+
+/* ---- Field values ------------------------------------------------------------------------ */
+
+nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int count, nvmlFieldValue_t *values)
+{
+    struct nvmlDevice_st *d;
+    struct timespec now;
+    nvmlReturn_t ret = lookup_gpu(device, &d);
+    if (ret == NVML_SUCCESS && (count < 0 || (count > 0 && values == NULL)))
+        ret = NVML_ERROR_INVALID_ARGUMENT;
+    if (ret != NVML_SUCCESS)
+        return ret;
+    clock_gettime(CLOCK_REALTIME, &now);
+    for (int i = 0; i < count; i++) {
+        nvmlFieldValue_t *v = &values[i];
+        v->timestamp = (long long)now.tv_sec * 1000000 + now.tv_nsec / 1000;
+        v->latencyUsec = 0;
+        if (v->fieldId == NVML_FI_DEV_GET_GPU_RECOVERY_ACTION) {
+            v->valueType = NVML_VALUE_TYPE_UNSIGNED_INT;
+            v->value.ullVal = 0;
+            v->value.uiVal = get_uint(&d->recovery_action);
+            v->nvmlReturn = NVML_SUCCESS;
+        } else {
+            v->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
+        }
+    }
+    return NVML_SUCCESS;
 }
 
 /* ---- Events ------------------------------------------------------------------------------ */

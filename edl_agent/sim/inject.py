@@ -8,13 +8,22 @@ every vendor. Errors are ValueErrors with a one-line message naming the tree and
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.model import Vendor
+from edl_agent.health import classify
+from edl_agent.health.model import ClearsBy
 from edl_agent.sim import ascend_tree, hygon_tree, kunlunxin_tree, nvidia_tree
+from edl_agent.sim.tree import BOOT_ID, write_file
+
+# nvmlDeviceGpuRecoveryAction_t values the simulated driver reports after an XID.
+_RECOVERY_ACTIONS = {ClearsBy.RESET: 1, ClearsBy.REBOOT: 2}
 
 MAX_XID = 2**32 - 1
 
@@ -32,7 +41,9 @@ def fault_file(root: Path) -> Path:
 
 
 def inject_xid(root: Path, gpu_index: int, code: int, *, mig_index: int | None = None) -> None:
-    """An XID critical error on a GPU, or attributed to one of its MIG devices."""
+    """An XID critical error on a GPU, or attributed to one of its MIG devices. The simulated
+    driver then reports the recovery action NVIDIA's catalog gives the code (GPU_RESET for a
+    reset-class XID, NODE_REBOOT for XID 79 and other reboot-class ones)."""
     gpu = _gpu(root, gpu_index)
     if not 1 <= code <= MAX_XID:
         msg = f"XID code must be between 1 and {MAX_XID}, got {code}"
@@ -44,7 +55,53 @@ def inject_xid(root: Path, gpu_index: int, code: int, *, mig_index: int | None =
             msg = f"{root}: NVIDIA GPU {gpu_index} has no MIG device {mig_index} ({have})"
             raise ValueError(msg)
         fields += f" mig={mig_index}"
+    action = _RECOVERY_ACTIONS.get(classify.xid_clears_by(code, classify.classify_xid(code)))
+    if action is not None:
+        fields += f" action={action}"
     _append(root, f"xid {fields}")
+
+
+def reset_device(root: Path, vendor: Vendor | str, index: int) -> str:
+    """What the vendor's tools show after device `index` was reset (a one-line description).
+    NVIDIA: the fake library's volatile ECC counters start again, a pending remap is applied and
+    the recovery action is NONE (a lost GPU stays lost). NPU: Health OK with no fault codes.
+    XPU/DCU: state Normal (XPU: volatile ECC counters 0)."""
+    kind = _vendor(vendor)
+    if kind is Vendor.NVIDIA:
+        _gpu(root, index)
+        _append(root, f"reset gpu={index}")
+        return f"GPU {index} reset"
+    if kind is Vendor.ASCEND:
+        ascend_tree.set_npu_health(root, index, "OK")
+    elif kind is Vendor.KUNLUNXIN:
+        kunlunxin_tree.set_xpu_state(root, index, "Normal")
+        kunlunxin_tree.set_xpu_ecc(root, index, uncorrectable=0)
+    else:
+        hygon_tree.set_dcu_state(root, index, "Normal")
+    return f"{kind.value} device {index} reset"
+
+
+def reboot(root: Path) -> str:
+    """The node rebooted: a new boot id, and every fault the drivers held is gone (NVIDIA: lost
+    GPUs back, recovery actions cleared; NPUs OK, XPUs/DCUs Normal). Removed /dev nodes stay
+    removed: a device that vanished is not brought back by a reboot in this simulation."""
+    host = _tree(root)
+    write_file(root, BOOT_ID, f"{uuid.uuid4()}\n")
+    done = ["new boot id"]
+    if host.exists(nvidia_tree.DATA):
+        _append(root, "reboot")
+        done.append("NVIDIA driver state cleared")
+    for kind, reset, count in (
+        (Vendor.ASCEND, lambda i: ascend_tree.set_npu_health(root, i, "OK"), _count_npus),
+        (Vendor.KUNLUNXIN, lambda i: reset_device(root, Vendor.KUNLUNXIN, i), _count_xpus),
+        (Vendor.HYGON, lambda i: hygon_tree.set_dcu_state(root, i, "Normal"), _count_dcus),
+    ):
+        devices = count(root)
+        for index in range(devices):
+            reset(index)
+        if devices:
+            done.append(f"{devices} {kind.value} devices reset")
+    return ", ".join(done)
 
 
 def inject_ecc_dbe(root: Path, gpu_index: int) -> None:
@@ -228,3 +285,22 @@ def _hygon_nodes(root: Path, host: HostRoot, index: int) -> list[str]:
     card = cards[index]
     renders = host.glob(f"{card}/device/drm", "renderD*")
     return [f"/dev/dri/{name.rsplit('/', 1)[-1]}" for name in [card, *renders]]
+
+
+def _count_npus(root: Path) -> int:
+    pattern = re.compile(r"npu-smi\.health\.(\d+)\.txt$")
+    directory = root / ascend_tree.TOOL.lstrip("/")
+    return sum(1 for p in directory.parent.glob("npu-smi.health.*.txt") if pattern.search(p.name))
+
+
+def _count_xpus(root: Path) -> int:
+    path = root / kunlunxin_tree.QUERY_OUTPUT.lstrip("/")
+    return path.read_text(encoding="utf-8").count("\nXPU ") if path.is_file() else 0
+
+
+def _count_dcus(root: Path) -> int:
+    path = root / hygon_tree.JSON_OUTPUT.lstrip("/")
+    if not path.is_file():
+        return 0
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return sum(1 for key in data if re.fullmatch(r"card\d+", key))

@@ -17,7 +17,8 @@ DESCRIPTION = """\
 Inject a fault into the simulated node under DIR (built by `simulate build`, or the temporary
 tree a `--simulate` agent logs). NVIDIA faults go through the fake NVML library's fault file and
 reach a running agent as NVML events; --remove deletes the device's /dev node (any vendor);
---health sets what the vendor tool reports for an NPU/XPU/DCU on its next poll.
+--health sets what the vendor tool reports for an NPU/XPU/DCU on its next poll; --reset shows
+what a reset of the device shows; --reboot what a reboot of the node shows (a new boot id).
 """
 
 HEALTH_HELP = (
@@ -34,7 +35,9 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("directory", metavar="DIR", type=Path, help="the simulated node's root")
-    parser.add_argument("--device", type=int, required=True, metavar="N", help="device index")
+    parser.add_argument(
+        "--device", type=int, metavar="N", help="device index (every fault but --reboot)"
+    )
     parser.add_argument(
         "--vendor",
         choices=[v.value for v in Vendor],
@@ -52,6 +55,16 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     fault.add_argument("--remove", action="store_true", help="delete the device's /dev node")
     fault.add_argument("--health", metavar="CODE", help=HEALTH_HELP)
+    fault.add_argument(
+        "--reset",
+        action="store_true",
+        help="device N was reset: its tools show what they show after a reset (any vendor)",
+    )
+    fault.add_argument(
+        "--reboot",
+        action="store_true",
+        help="the node rebooted: a new boot id, and the faults its drivers held are gone",
+    )
     parser.set_defaults(handler=run)
 
 
@@ -67,8 +80,17 @@ def _inject(args: argparse.Namespace) -> int:
     if not root.is_dir():
         msg = f"{root}: not a directory (build one with `edl-agent simulate build`)"
         raise ValueError(msg)
+    if args.reboot:
+        print(f"injected: reboot ({inject.reboot(root)}) under {root}")
+        return 0
+    if args.device is None:
+        msg = "--device N is required (every fault but --reboot names a device)"
+        raise ValueError(msg)
     index: int = args.device
-    if args.xid is not None:
+    if args.reset:
+        vendor = Vendor(args.vendor) if args.vendor else _only_vendor(root)
+        done = inject.reset_device(root, vendor, index)
+    elif args.xid is not None:
         inject.inject_xid(root, index, args.xid)
         done = f"XID {args.xid} on GPU {index}"
     elif args.ecc_dbe:

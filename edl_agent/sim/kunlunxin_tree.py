@@ -148,19 +148,29 @@ def _kv(level: int, key: str, value: str) -> str:
 def set_xpu_state(root: Path, index: int, state: str) -> None:
     """Make XPU `index` (its Minor Number) report `state` (Normal, Warning, Fault, Lost, ...) in
     `xpu-smi -q`. ValueError (one line) for a bad argument or a tree without simulated XPUs."""
+    if not _STATE_WORD.match(state):
+        msg = f"state {state!r}: expected one word, e.g. Fault"
+        raise ValueError(msg)
+    _set_field(root, index, "XPU State", state)
+
+
+def set_xpu_ecc(root: Path, index: int, *, uncorrectable: int) -> None:
+    """Set XPU `index`'s volatile DRAM Uncorrectable ECC count in `xpu-smi -q`."""
+    _set_field(root, index, "DRAM Uncorrectable", str(uncorrectable))
+
+
+def _set_field(root: Path, index: int, key: str, value: str) -> None:
+    """Rewrite the `key : value` line of XPU `index`'s block in the recorded `xpu-smi -q`."""
     path = root / QUERY_OUTPUT.lstrip("/")
     if not path.is_file():
         msg = f"{root}: no simulated Kunlunxin XPUs (no {QUERY_OUTPUT})"
         raise ValueError(msg)
-    if not _STATE_WORD.match(state):
-        msg = f"state {state!r}: expected one word, e.g. Fault"
-        raise ValueError(msg)
     blocks = re.split(r"(?m)^(?=XPU )", path.read_text(encoding="utf-8"))
     minor = re.compile(rf"(?m)^\s+Minor Number\s*:\s*{index}\s*$")
-    state_line = re.compile(r"(?m)^(\s+XPU State\s*:\s*)\S+\s*$")
+    line = re.compile(rf"(?m)^(\s+{re.escape(key)}\s*:\s*)\S+\s*$")
     for position, block in enumerate(blocks):
         if index >= 0 and minor.search(block):
-            blocks[position] = state_line.sub(lambda m: m.group(1) + state, block, count=1)
+            blocks[position] = line.sub(lambda m: m.group(1) + value, block, count=1)
             path.write_text("".join(blocks), encoding="utf-8")
             return
     msg = f"{root}: no simulated XPU {index}"

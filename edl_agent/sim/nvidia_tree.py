@@ -81,11 +81,33 @@ def write(spec: NvidiaSpec, profile: Profile, root: Path) -> None:
         write_file(root, f"{sysfs}/class", "0x030200\n")
     for node in CONTROL_NODES:
         write_file(root, node, mode=0o666)
+    write_file(root, SMI, SMI_SCRIPT, mode=0o755)
     write_file(
         root,
         "/proc/driver/nvidia/version",
         f"NVRM version: NVIDIA UNIX x86_64 Kernel Module  {spec.driver_version}  (simulated)\n",
     )
+
+
+SMI = "/usr/bin/nvidia-smi"
+# Only the reset the agent's remediation runs: it records the reset in the fake library's fault
+# file, and the library decides what it reaches (not a lost GPU, not one that needs a reboot).
+SMI_SCRIPT = """#!/bin/sh
+# nvidia-smi stand-in for a simulated node: `--gpu-reset -i <index>` (or `-r -i <index>`) only.
+here=$(dirname "$0")
+faults="$here/../lib/x86_64-linux-gnu/libnvidia-ml.so.1.faults"
+data="$here/../lib/x86_64-linux-gnu/libnvidia-ml.so.1.sim"
+case "$1 $2" in
+  "--gpu-reset -i" | "-r -i") gpu=$3 ;;
+  *) echo "nvidia-smi (simulated): only --gpu-reset -i <index> is supported: $*" >&2; exit 2 ;;
+esac
+case "$gpu" in "" | *[!0-9]*) echo "nvidia-smi (simulated): bad GPU index: $gpu" >&2; exit 2 ;; esac
+if ! grep -q "^gpu	index=$gpu	" "$data"; then
+  echo "No devices were found with index $gpu" >&2; exit 6
+fi
+printf 'reset gpu=%s\n' "$gpu" >> "$faults"
+echo "GPU 00000000:00:00.0 was successfully reset."
+"""
 
 
 def install_library(root: Path) -> None:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 
 from edl_agent.sim.profile import Profile, numa_cpulist
+
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 # PCI domain per vendor in simulated trees (see profile.pci_bus_id).
 VENDOR_SLOT = {"nvidia": 0, "kunlunxin": 1, "hygon": 2, "ascend": 3}
@@ -23,6 +26,7 @@ def build_tree(profile: Profile, root: Path) -> None:
     """Write everything a node of `profile` shows to the agent under `root`."""
     root.mkdir(parents=True, exist_ok=True)
     write_file(root, "/etc/hostname", profile.node.hostname + "\n")
+    write_file(root, BOOT_ID, f"{uuid.uuid4()}\n")
     write_file(root, "/sys/class/dmi/id/product_name", profile.node.machine + "\n")
     for numa in range(profile.node.numa_nodes):
         write_file(root, f"/sys/devices/system/node/node{numa}/cpulist", numa_cpulist(numa) + "\n")

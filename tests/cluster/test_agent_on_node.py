@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import testnode
 from k8s_test_helpers import KwokCluster, wait_for
+from kube_tools import Kubectl
 from kubelet_helpers import extended
 from test_node_labels import Agent as NodeAgent
 from test_node_labels import agent_view
@@ -20,7 +21,7 @@ from test_node_labels import agent_view
 from edl_agent.agent import Agent
 from edl_agent.config import load_settings
 from edl_agent.labels.condition import CONDITION_TYPE
-from edl_agent.labels.cordon import CORDONED_DEVICES
+from edl_agent.labels.cordon import CORDONED_DEVICES, RELEASE_DEVICES
 from edl_agent.sim import inject
 from edl_agent.sim.profile import load_profile
 from edl_agent.sim.tree import build_tree
@@ -51,6 +52,7 @@ def _run_agent(
             "metrics_addr": "",
             "plugin": {"kubelet_dir": str(kubelet.paths.device_plugins)},
             "pod_resources_socket": str(kubelet.paths.pod_resources),
+            "faults": {"state_dir": str(tmp_path / "state")},
         }
     )
     node_agent = Agent(settings)
@@ -82,7 +84,9 @@ def condition_of(node: Any) -> Any:
     return next((c for c in node.status.conditions or [] if c.type == CONDITION_TYPE), None)
 
 
-def test_labels_condition_events_and_cordon(running: tuple[Agent, NodeAgent, Path]) -> None:
+def test_labels_condition_events_cordon_and_release(
+    running: tuple[Agent, NodeAgent, Path], kubectl: Kubectl
+) -> None:
     node_agent, view, tree = running
     ids = list(node_agent.state.snapshot().resources["nvidia.com/gpu"].device_ids)
 
@@ -125,3 +129,26 @@ def test_labels_condition_events_and_cordon(running: tuple[Agent, NodeAgent, Pat
         lambda snapshot: not snapshot.is_unhealthy(ids[2]),
     )
     wait_for("kubelet: 7 allocatable again", view.read, lambda n: allocatable(n) == 7)
+
+    # XID 79 waits for a reboot; an operator releases GPU 3 with kubectl alone. The agent ends
+    # the quarantine and removes the annotation through its own token (the admission policy
+    # lets it remove this annotation, nothing else of the operator's).
+    assert node_agent.unhealthy()[ids[3]].clears_by.value == "reboot"
+    kubectl("annotate", "node", view.node, f"{RELEASE_DEVICES}=nvidia:3")
+    wait_for("kubelet: 8 allocatable", view.read, lambda n: allocatable(n) == 8)
+    node = wait_for("condition True", view.read, lambda n: status_of(n) == "True")
+    wait_for(
+        "the annotation removed by the agent",
+        view.read,
+        lambda n: RELEASE_DEVICES not in (n.metadata.annotations or {}),
+    )
+    assert labels_of(node)["edl.io/nvidia.healthy"] == "8"
+    wait_for(
+        "a Normal AcceleratorReleased event",
+        view.events,
+        lambda events: any(
+            e.reason == "AcceleratorReleased" and ids[3] in e.message for e in events
+        ),
+    )
+    inject.inject_xid(tree, 3, 79)  # a later fault quarantines again
+    wait_for("kubelet: 7 allocatable", view.read, lambda n: allocatable(n) == 7)

@@ -28,7 +28,7 @@ from edl_agent.health.tracker import Condition
 from edl_agent.kube import ApiError, KubeApi, connect
 from edl_agent.labels.compute import node_labels
 from edl_agent.labels.condition import CONDITION_TYPE, accelerator_health
-from edl_agent.labels.cordon import CORDONED_DEVICES
+from edl_agent.labels.cordon import CORDONED_DEVICES, RELEASE_DEVICES
 from edl_agent.labels.node import NodeUpdater
 from edl_agent.labels.ownership import OWNED_LABELS
 from edl_agent.labels.watching import NodeWatcher
@@ -417,6 +417,7 @@ def test_the_agent_may_change_only_its_own_node(agent: Agent, k8s: KwokCluster) 
     for patch in (
         {"metadata": {"labels": {"team": "not-ours"}}},
         {"metadata": {"annotations": {CORDONED_DEVICES: "nvidia:0"}}},
+        {"metadata": {"annotations": {RELEASE_DEVICES: "nvidia:0"}}},  # only its removal
         {"spec": {"unschedulable": True}},
     ):
         with pytest.raises(ApiError) as denied:
