@@ -11,6 +11,8 @@ import threading
 import time
 from collections.abc import Callable, Hashable
 
+from edl_agent.bounded import BoundedMap
+
 MAX_KINDS = 4096
 
 
@@ -19,7 +21,8 @@ class LogLimiter:
         self.interval = interval
         self._clock = clock
         self._lock = threading.Lock()
-        self._kinds: dict[Hashable, tuple[float, int]] = {}  # key -> (last logged, held back)
+        # key -> (last logged, held back); the kind logged longest ago is forgotten first
+        self._kinds: BoundedMap[Hashable, tuple[float, int]] = BoundedMap(MAX_KINDS)
 
     def allow(self, key: Hashable) -> int | None:
         """None: do not log this one; else log it, saying how many were held back before it."""
@@ -31,6 +34,4 @@ class LogLimiter:
                 return None
             self._kinds.pop(key, None)
             self._kinds[key] = (now, 0)
-            if len(self._kinds) > MAX_KINDS:  # the kind logged longest ago goes first
-                del self._kinds[next(iter(self._kinds))]
             return last[1] if last is not None else 0

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import re
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from edl_agent import cli
 from edl_agent.devices import hygon, kunlunxin, nvidia
 from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.model import Health, Vendor
-from edl_agent.sim import inject
+from edl_agent.sim import ascend_tree, inject
 from edl_agent.sim.profile import load_profile
 from edl_agent.sim.tree import build_tree
 
@@ -224,3 +226,45 @@ def test_remove_on_a_mixed_node(tmp_path: Path) -> None:
     assert inject.remove_device_node(root, "ascend", 0) == ["/dev/davinci0"]
     with pytest.raises(ValueError, match="no kunlunxin devices"):
         inject.remove_device_node(root, "kunlunxin", 0)
+
+
+def test_the_cli_injects_a_reset_and_a_reboot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = simulate("mixed-gpu-npu", tmp_path)
+    boot_id = (root / "proc/sys/kernel/random/boot_id").read_text()
+
+    def inject_cli(*args: str) -> int:
+        return cli.main(["simulate", "inject", str(root), *args])
+
+    assert inject_cli("--device", "1", "--reset") == 2
+    assert "--vendor" in capsys.readouterr().err  # two vendors: say which
+    assert inject_cli("--device", "1", "--reset", "--vendor", "nvidia") == 0
+    assert fault_lines(root)[-1] == "reset gpu=1"
+    ascend_tree.set_npu_health(root, 2, "Critical", fault_codes=(0x8C03A000,))
+    assert inject_cli("--device", "2", "--reset", "--vendor", "ascend") == 0
+    health = root / ascend_tree.HEALTH_OUTPUT.format(npu=2).lstrip("/")
+    assert "Health Status                  : OK" in health.read_text()
+    assert inject_cli("--reboot") == 0
+    assert fault_lines(root)[-1] == "reboot"
+    assert (root / "proc/sys/kernel/random/boot_id").read_text() != boot_id
+    assert "new boot id" in capsys.readouterr().out
+    assert inject_cli("--reset") == 2
+    assert "--device N is required" in capsys.readouterr().err
+
+
+def test_the_simulated_npu_smi_resets_a_chip(tmp_path: Path) -> None:
+    root = simulate("ascend-910bx8", tmp_path)
+    ascend_tree.set_npu_health(root, 3, "Critical", fault_codes=(0x8C03A000,))
+    tool = root / ascend_tree.TOOL.lstrip("/")
+    done = subprocess.run(
+        [str(tool), "set", "-t", "reset", "-i", "3", "-c", "0"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    assert "OK" in done.stdout
+    info = subprocess.run([str(tool), "info"], check=True, capture_output=True, text=True).stdout
+    row = next(line for line in info.splitlines() if line.startswith("| 3 "))
+    assert "OK" in row
+    assert "Critical" not in info

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import random
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
 from edl_agent.backoff import backoff_delay
+from edl_agent.bounded import BoundedSet
 from edl_agent.faults.ids import container_exit_id
 from edl_agent.faults.model import Fault, FaultKind, PodRef
 from edl_agent.kube import KubeApi
@@ -114,7 +114,7 @@ class PodExitWatcher(WatchLoop):
         self.retry_seconds = retry_seconds
         self.retry_max_seconds = retry_max_seconds
         self._listed = threading.Event()
-        self._reported: OrderedDict[str, None] = OrderedDict()
+        self._reported = BoundedSet(REMEMBERED)
         self._selector = f"spec.nodeName={node}"
 
     def wait_listed(self, timeout: float) -> bool:
@@ -147,9 +147,7 @@ class PodExitWatcher(WatchLoop):
             if fault.id in self._reported:
                 continue
             self.on_fault(fault)
-            self._reported[fault.id] = None
-            while len(self._reported) > REMEMBERED:
-                self._reported.popitem(last=False)
+            self._reported.add(fault.id)
 
     def _retry_delay(self, failures_in_row: int) -> float:
         return backoff_delay(

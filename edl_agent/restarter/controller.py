@@ -28,7 +28,6 @@ import socket
 import threading
 import time
 import zlib
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -37,6 +36,7 @@ from typing import Any
 import structlog
 from kubernetes import client
 
+from edl_agent.bounded import BoundedSet
 from edl_agent.faults.model import Fault, FaultKind, PodRef
 from edl_agent.kube import ApiError
 from edl_agent.restarter.actuator import GROUP, PLURAL, VERSION, Actuator, Conflict
@@ -115,7 +115,7 @@ class Controller:
         # The newest policy objects seen (watch events and our own writes): decisions start
         # from them instead of a read; a stale one costs a Conflict and a read.
         self._latest: dict[tuple[str, str], dict[str, Any]] = {}
-        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._seen = BoundedSet(KEEP_IDS)
         self._timers: set[threading.Timer] = set()
         objects: Any = client.CustomObjectsApi(api)
         self._policy_watches = []
@@ -304,12 +304,9 @@ class Controller:
                 continue
             if not item.retry:
                 with self._lock:
-                    if item.fault.id in self._seen:
+                    if not self._seen.add(item.fault.id):
                         log.debug("duplicate fault", fault_id=item.fault.id)
                         continue
-                    self._seen[item.fault.id] = None
-                    while len(self._seen) > KEEP_IDS:
-                        self._seen.popitem(last=False)
             if item.fault.kind is FaultKind.NODE_NOT_READY and self._hold_in_storm(item.fault):
                 continue
             try:

@@ -16,7 +16,7 @@ import dataclasses
 import ipaddress
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Mapping
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -27,6 +27,7 @@ import grpc
 import structlog
 
 from edl_agent._proto.edl.fault.v1 import fault_pb2, fault_pb2_grpc
+from edl_agent.bounded import BoundedSet
 from edl_agent.faults.convert import InvalidFault, from_proto
 from edl_agent.faults.model import Fault
 from edl_agent.restarter.auth import (
@@ -83,7 +84,7 @@ class FaultIntake(fault_pb2_grpc.FaultIntakeServicer):
         self._log_interval = log_interval
         self._clock = clock
         self._lock = threading.Lock()
-        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._seen = BoundedSet(self._remember)
         self._counts = IntakeCounts()
         self._refused: Counter[str] = Counter()
         self._last_logged: dict[str, tuple[float, int]] = {}  # reason → (when, left out since)
@@ -136,20 +137,16 @@ class FaultIntake(fault_pb2_grpc.FaultIntakeServicer):
                 fault.id, refusal, peer=peer, fault_node=fault.node, token_node=identity.node
             )
         with self._lock:
-            if fault.id in self._seen:
-                self._seen.move_to_end(fault.id)
+            if not self._seen.add(fault.id, refresh=True):
                 self._counts = dataclasses.replace(
                     self._counts, duplicates=self._counts.duplicates + 1
                 )
                 return fault_pb2.Ack(fault_id=fault.id, verdict=fault_pb2.VERDICT_DUPLICATE)
-            self._seen[fault.id] = None
-            while len(self._seen) > self._remember:
-                self._seen.popitem(last=False)
         try:
             self._on_fault(dataclasses.replace(fault, source="agent"))
         except Exception:
             with self._lock:
-                self._seen.pop(fault.id, None)
+                self._seen.discard(fault.id)
                 self._counts = dataclasses.replace(
                     self._counts, sink_errors=self._counts.sink_errors + 1
                 )

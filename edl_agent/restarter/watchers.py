@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any
@@ -30,6 +29,7 @@ from typing import Any
 import structlog
 from kubernetes import client
 
+from edl_agent.bounded import BoundedMap, BoundedSet
 from edl_agent.faults.ids import container_exit_id
 from edl_agent.faults.model import Fault, FaultKind, PodRef
 from edl_agent.kube import call_json, watch_events
@@ -217,9 +217,9 @@ class ClusterWatcher:
         self._clock = clock
         self._lock = threading.Lock()
         self._pods: dict[str, dict[str, Any]] = {}  # uid → pod
-        self._deleted: OrderedDict[str, dict[str, Any]] = OrderedDict()
-        self._ignored: OrderedDict[str, None] = OrderedDict()
-        self._emitted: OrderedDict[str, None] = OrderedDict()
+        self._deleted: BoundedMap[str, dict[str, Any]] = BoundedMap(KEEP_DELETED)
+        self._ignored = BoundedSet(KEEP_IDS)
+        self._emitted = BoundedSet(KEEP_IDS)
         self._not_ready: dict[str, datetime] = {}  # node → since
         self._nodes: set[str] = set()
         self._stopping = threading.Event()
@@ -269,8 +269,7 @@ class ClusterWatcher:
     def ignore_uid(self, uid: str) -> None:
         """A pod the actuator is about to delete: its deletion and exits are no faults."""
         with self._lock:
-            self._ignored[uid] = None
-            _trim(self._ignored, KEEP_IDS)
+            self._ignored.add(uid)
 
     def find_pod(self, ref: PodRef) -> dict[str, Any] | None:
         """The cached pod (also a recently deleted one), by uid, else namespace and name."""
@@ -315,7 +314,6 @@ class ClusterWatcher:
             if kind == "DELETED":
                 self._pods.pop(uid, None)
                 self._deleted[uid] = pod
-                _trim(self._deleted, KEEP_DELETED)
             else:
                 self._pods[uid] = pod
         self._pod_faults(pod, deleted=kind == "DELETED")
@@ -391,16 +389,14 @@ class ClusterWatcher:
 
     def _emit(self, fault: Fault) -> None:
         with self._lock:
-            if fault.id in self._emitted:
+            if not self._emitted.add(fault.id):
                 return
-            self._emitted[fault.id] = None
-            _trim(self._emitted, KEEP_IDS)
         log.info("fault observed", fault_id=fault.id, kind=str(fault.kind), node=fault.node)
         try:
             self._on_fault(fault)
         except Exception:
             with self._lock:
-                self._emitted.pop(fault.id, None)
+                self._emitted.discard(fault.id)
             log.exception("the fault sink failed", fault_id=fault.id)
 
 
@@ -409,8 +405,3 @@ def _bind(method: Lister, namespace: str) -> Lister:
         return method(namespace, **kwargs)
 
     return call
-
-
-def _trim(entries: OrderedDict[str, Any], keep: int) -> None:
-    while len(entries) > keep:
-        entries.popitem(last=False)
