@@ -495,6 +495,8 @@ class Agent:
                 ]
         if turned:
             self._guarded("device_faults", lambda: self._device_faults(turned))
+        if changes and event.vendor is Vendor.NVIDIA and event.device_id is not None:
+            self._guarded("reset_baseline", lambda: self._take_baseline(event.device_id or ""))
         if event.level is not Level.IGNORE or changes:
             # A flood of one fault logs its first line, then one line per interval with the
             # number held back; the counters count every event.
@@ -594,6 +596,21 @@ class Agent:
             if changes:
                 self._publish(changes)
                 self._save_quarantine()
+
+    def _take_baseline(self, device_id: str) -> None:
+        """Read the reset marks of a GPU the moment it is quarantined: a reset that follows
+        at once must find a baseline to differ from."""
+        devices = self.state.snapshot().inventory.devices
+        with self._health_lock:
+            quarantined = {device_id: self.tracker.quarantined().get(device_id, [])}
+            waiting = waiting_for_reset(quarantined, devices)
+            if not waiting or device_id in self._baselines:
+                return
+        readings = read_baselines(self.root, set(waiting.values()))
+        with self._health_lock:
+            check = check_resets(waiting, {}, readings)
+            self._baselines.update(check.baselines)
+            self._save_quarantine(force=True)
 
     def _check_resets(self) -> None:
         """Look for evidence that quarantined NVIDIA devices were reset (NVML) and that the node

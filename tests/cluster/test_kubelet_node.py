@@ -288,7 +288,13 @@ def test_kubelet_and_agent_restarts(
     summary = stats(rows)
     print(f"\nkubelet restarted {KUBELET_RESTARTS} times: {summary}")
 
-    assert pod_devices(node, ns, name) == held
+    # Right after the last restart kubelet's pod-resources may not list the restored devices yet.
+    wait_until(
+        "pod-resources lists the pod's GPUs again",
+        lambda: pod_devices(node, ns, name),
+        lambda found: found == held,
+        timeout=STEP,
+    )
     assert agent.stop() == 0
     wait_until(
         "kubelet to see the agent gone",
