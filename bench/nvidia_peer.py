@@ -9,6 +9,8 @@ Both run as processes on a simulated dgx-h100 (8 GPUs), load the same fake libnv
 - registration: process start until nvidia.com/gpu is registered with the stand-in;
 - Allocate latency: the same seeded list of requests (2 GPUs by uuid each), after a warm-up;
 - RSS after that warm-up and the Allocate calls;
+- re-registration: the stand-in restarts as kubelet does (every socket in its directory deleted,
+  then a new kubelet.sock) until nvidia.com/gpu is registered again, several times;
 - XID 79 on each GPU in turn (a line in the fake library's fault file, delivered as an NVML
   event) until ListAndWatch shows that GPU Unhealthy. Each GPU once per round: NVIDIA's plugin
   never marks a device Healthy again, and XID 79 keeps ours Unhealthy until re-discovery.
@@ -75,6 +77,7 @@ class Samples:
     allocate_s: list[float] = field(default_factory=list)
     xid_s: list[float] = field(default_factory=list)
     rss_bytes: list[int] = field(default_factory=list)
+    reregister_s: list[float] = field(default_factory=list)
     mig_registration_s: list[float] = field(default_factory=list)
     mig_devices: dict[str, int] = field(default_factory=dict)
 
@@ -185,6 +188,7 @@ def run_one(
     command: Callable[[Node], tuple[list[str], dict[str, str]]],
     work: Path,
     calls: int,
+    restarts: int,
     seed: int,
     samples: Samples,
 ) -> None:
@@ -206,6 +210,17 @@ def run_one(
                 stub.Allocate(request, timeout=5)
                 samples.allocate_s.append(time.perf_counter() - begun)
         samples.rss_bytes.append(psutil.Process(process.pid).memory_info().rss)
+        for _ in range(restarts):
+            seen = len(kubelet.registrations)
+            begun = time.perf_counter()
+            kubelet.restart()
+            try:
+                kubelet.wait_registered({RESOURCE}, after=seen, timeout=30)
+            except AssertionError as exc:
+                raise RunFailed(
+                    _failure(name, process, logfile, f"after a restart: {exc}")
+                ) from None
+            samples.reregister_s.append(time.perf_counter() - begun)
         watch = kubelet.watch(RESOURCE)
         try:
             watch.next(timeout=10)
@@ -299,6 +314,8 @@ def report(ours: Samples, theirs: Samples) -> None:
             "xid_unhealthy_p50": (percentile(s.xid_s, 50) * 1000, "ms"),
             "xid_unhealthy_p99": (percentile(s.xid_s, 99) * 1000, "ms"),
             "rss": (statistics.median(s.rss_bytes) / 2**20, "MiB"),
+            "reregister_p50": (percentile(s.reregister_s, 50) * 1000, "ms"),
+            "reregister_max": (max(s.reregister_s) * 1000, "ms"),
             "mig_registration": (statistics.median(s.mig_registration_s) * 1000, "ms"),
         }
 
@@ -315,18 +332,21 @@ def report(ours: Samples, theirs: Samples) -> None:
         log(f"MIG node: the plugins differ: ours {ours.mig_devices}, theirs {theirs.mig_devices}")
     print(f"nvidia_peer_allocate_calls {len(ours.allocate_s)} calls")
     print(f"nvidia_peer_xid_samples {len(ours.xid_s)} samples")
+    print(f"nvidia_peer_reregister_samples {len(ours.reregister_s)} samples")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="2 rounds of 1,000 calls")
+    parser.add_argument("--quick", action="store_true", help="2 rounds: 1,000 calls, 3 restarts")
     parser.add_argument("--rounds", type=int, help="fresh starts per plugin (default 5)")
     parser.add_argument("--calls", type=int, help="measured Allocate calls per round (5,000)")
+    parser.add_argument("--restarts", type=int, help="kubelet restarts per round (10)")
     parser.add_argument("--build", action="store_true", help="build NVIDIA's plugin if missing")
     parser.add_argument("--version", default=build_nvidia_plugin.DEFAULT_VERSION)
     args = parser.parse_args()
     rounds = args.rounds or (2 if args.quick else 5)
     calls = args.calls or (1000 if args.quick else 5000)
+    restarts = args.restarts or (3 if args.quick else 10)
     binary = build_nvidia_plugin.built(args.version)
     if binary is None and args.build:
         try:
@@ -353,7 +373,10 @@ def main() -> int:
             # Alternate who goes first, so that neither always runs on a cooler machine.
             order = sides if number % 2 == 0 else sides[::-1]
             for name, command, samples in order:
-                log(f"round {number + 1}/{rounds}: {name} ({calls} Allocate calls, 8 XIDs, MIG)")
+                log(
+                    f"round {number + 1}/{rounds}: {name} ({calls} Allocate calls, "
+                    f"{restarts} kubelet restarts, 8 XIDs, MIG)"
+                )
                 work = Path(tmp) / f"{number}-{name}"
                 work.mkdir()
                 mig_work = Path(tmp) / f"{number}-{name}-mig"
@@ -365,6 +388,7 @@ def main() -> int:
                         command=command,
                         work=work,
                         calls=calls,
+                        restarts=restarts,
                         seed=number,
                         samples=samples,
                     )

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -36,11 +37,6 @@ from edl_agent.devices.carry import carry_forward
 from edl_agent.devices.discovery import discover_node
 from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.model import Vendor
-from edl_agent.faults.ids import device_unhealthy_id
-from edl_agent.faults.model import Fault, FaultKind, PodRef
-from edl_agent.faults.outbox import Outbox, OutboxError
-from edl_agent.faults.pod_exits import PodExitWatcher
-from edl_agent.faults.sender import Sender, SenderSettings
 from edl_agent.health.classify import classify_xid, what_clears
 from edl_agent.health.model import (
     ClearsBy,
@@ -54,7 +50,6 @@ from edl_agent.health.nvml_reset import (
     Baseline,
     read_baselines,
 )
-from edl_agent.health.nvml_telemetry import NvmlTelemetry
 from edl_agent.health.nvml_watch import GPU_LOST, NvmlWatcher
 from edl_agent.health.polled import POLLERS, PollResult, poll
 from edl_agent.health.presence import vanished
@@ -71,22 +66,34 @@ from edl_agent.health.remediation import (
 )
 from edl_agent.health.reset_evidence import check_resets, waiting_for_reset
 from edl_agent.health.tracker import UNHEALTHY, Condition, HealthTracker, Transition
-from edl_agent.kube import KubeApi
 from edl_agent.labels.condition import device_name
 from edl_agent.labels.cordon import RELEASE_DEVICES, Cordon
 from edl_agent.labels.events import NORMAL, WARNING, EventSpec
-from edl_agent.labels.publisher import NodePublisher
 from edl_agent.log_limit import LogLimiter
-from edl_agent.metrics.collectors import EdlCollector, build_registry
 from edl_agent.metrics.inputs import AgentCounts, HealthCounts
 from edl_agent.metrics.podresources import PodResourcesClient
-from edl_agent.metrics.server import MetricsServer
 from edl_agent.plugin.dirwatch import DirectoryWatch
 from edl_agent.plugin.manager import PluginManager
 from edl_agent.plugin.state import DeviceState
 from edl_agent.supervisor import Every, Supervisor, Watched
 
+if TYPE_CHECKING:
+    # Imported where they start (start_faults, start_metrics, start_publisher): the Kubernetes
+    # client and prometheus_client are most of the agent's import time, and registration with
+    # kubelet (serve_kubelet) needs neither; nor does it need fault reporting.
+    from edl_agent.faults.model import Fault
+    from edl_agent.faults.outbox import Outbox
+    from edl_agent.faults.pod_exits import PodExitWatcher
+    from edl_agent.faults.sender import Sender
+    from edl_agent.health.nvml_telemetry import NvmlTelemetry
+    from edl_agent.kube import KubeApi
+    from edl_agent.labels.publisher import NodePublisher
+    from edl_agent.metrics.server import MetricsServer
+
 TICK_SECONDS = 0.25
+# The plugin part's round while kubelet's directory is watched and nothing waits to register: a
+# kubelet restart wakes it at once, so the round is only for presence and quiet periods.
+WATCHED_TICK_SECONDS = 1.0
 NODE_VANISHED = "NODE_VANISHED"
 DEVICE_GONE = "DEVICE_GONE"
 DISCOVERY_FAILED = "DISCOVERY_FAILED"
@@ -175,6 +182,7 @@ class Agent:
         self.polled_telemetry: dict[Vendor, list[DeviceTelemetry]] = {}
         self.nvml: NvmlWatcher | None = None
         self._presence = _Schedule(self.settings.plugin.health_poll_seconds)
+        self._directory_watched = False
         self.supervisor = Supervisor(self.stop)
         self._rediscover_now = self.stop.waker()
         self.rediscoveries = 0
@@ -189,6 +197,11 @@ class Agent:
         self.sender: Sender | None = None
         self.pod_exits: PodExitWatcher | None = None
 
+    def serve_kubelet(self) -> None:
+        """Serve every resource and register it with kubelet now, before the rest starts: the
+        devices are schedulable as soon as discovery is done (`run` keeps them registered)."""
+        self._guarded("plugins", self.plugins.sync)
+
     def run(self) -> None:
         """Run until `stop` is set; then stop the watchers and servers and remove our sockets."""
         self._log.info(
@@ -202,25 +215,33 @@ class Agent:
         # A change in kubelet's directory (a kubelet restart) makes the next tick come at once.
         directory_watch = DirectoryWatch(self.plugins.directory, self.stop.wake.set)
         try:
-            directory_watch.start()
+            self._directory_watched = directory_watch.start()
             self.supervisor.start()
             self.stop.wait()
         finally:
             directory_watch.stop()
             self.stop.set()
             self.supervisor.join()
-            if self.nvml is not None:
-                self.nvml.stop()
-            if self.publisher is not None:
-                self.publisher.stop()
-            self.stop_faults()
-            self.state.close()
-            self.plugins.close()
-            self.stop_metrics()
-            self._log.info("agent stopped")
+            self.close()
+
+    def close(self) -> None:
+        """Stop whatever was started and remove our sockets (after `run`, or instead of it when
+        starting failed half-way)."""
+        self.stop.set()
+        if self.nvml is not None:
+            self.nvml.stop()
+        if self.publisher is not None:
+            self.publisher.stop()
+        self.stop_faults()
+        self.state.close()
+        self.plugins.close()
+        self.stop_metrics()
+        self._log.info("agent stopped")
 
     def start_publisher(self, api: KubeApi | None) -> None:
         """Publish labels, the node condition and events (only logged when `api` is None)."""
+        from edl_agent.labels.publisher import NodePublisher
+
         self.publisher = NodePublisher(
             api=api,
             settings=self.settings,
@@ -238,6 +259,9 @@ class Agent:
         """Report faults: open the outbox and start its sender (when a restarter is configured)
         and watch this node's pods for container exits (when `api` is given). Raises OutboxError
         when the state directory cannot be used, ValueError for unusable sender settings."""
+        from edl_agent.faults.outbox import Outbox
+        from edl_agent.faults.sender import Sender, SenderSettings
+
         settings = self.settings.faults
         node = self.state.snapshot().inventory.node
         if settings.restarter_address:
@@ -269,6 +293,8 @@ class Agent:
             self._log.info("no faults.restarter_address: faults are only logged")
         self._faults_on = True
         if api is not None:
+            from edl_agent.faults.pod_exits import PodExitWatcher
+
             self.pod_exits = PodExitWatcher(api, node, self.report_fault)
             self.pod_exits.start()
             self.supervisor.add(Watched("pod-exits", self.pod_exits), critical=False)
@@ -301,6 +327,8 @@ class Agent:
         outbox = self.outbox
         if outbox is None:
             return
+        from edl_agent.faults.outbox import OutboxError  # loaded with the outbox
+
         try:
             outbox.enqueue(fault)
         except OutboxError as exc:  # closed while stopping: the fault is seen again next run
@@ -308,6 +336,9 @@ class Agent:
 
     def _device_faults(self, turned: list[tuple[str, Condition]]) -> None:
         """Faults for devices that just turned Unhealthy, naming the pods that hold them."""
+        from edl_agent.faults.ids import device_unhealthy_id
+        from edl_agent.faults.model import Fault, FaultKind, PodRef
+
         snapshot = self.state.snapshot()
         holders = self._pods.pod_devices(snapshot.units)
         node = snapshot.inventory.node
@@ -381,6 +412,10 @@ class Agent:
         """Serve /metrics, /healthz and /readyz; OSError when the address cannot be bound."""
         if not self.settings.metrics_addr:
             return
+        from edl_agent.health.nvml_telemetry import NvmlTelemetry
+        from edl_agent.metrics.collectors import EdlCollector, build_registry
+        from edl_agent.metrics.server import MetricsServer
+
         if any(r.vendor is Vendor.NVIDIA for r in self.state.snapshot().inventory.reports):
             self._nvml_telemetry = NvmlTelemetry(self.root)
         collector = EdlCollector(
@@ -643,7 +678,7 @@ class Agent:
         registration (the `plugins` part)."""
         health = self.settings.health
         parts = self.supervisor
-        parts.add(Every("plugins", lambda: TICK_SECONDS, self._plugins_step, self.stop.wake))
+        parts.add(Every("plugins", self._plugins_tick_seconds, self._plugins_step, self.stop.wake))
         parts.add(
             Every(
                 "rediscovery",
@@ -685,6 +720,11 @@ class Agent:
                 ),
                 critical=False,
             )
+
+    def _plugins_tick_seconds(self) -> float:
+        if not self._directory_watched or self.plugins.registering:
+            return TICK_SECONDS
+        return min(WATCHED_TICK_SECONDS, self.settings.plugin.health_poll_seconds)
 
     def _plugins_step(self) -> None:
         self.tick(time.monotonic())
@@ -845,6 +885,7 @@ class Agent:
         self._gone = frozenset(d.id for d in carried.gone)
         if self.state.set_inventory(carried.inventory):
             self._log.info("inventory changed", devices=len(carried.inventory.devices))
+            self.stop.wake.set()  # servers for new resources now, not at the next plugin round
         now = time.monotonic()
         for vendor in {r.vendor for r in carried.inventory.reports}:
             failed = carried.failed.get(vendor)

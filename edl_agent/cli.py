@@ -11,7 +11,7 @@ import sys
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import structlog
 
@@ -29,7 +29,9 @@ from edl_agent.errors import UsageError
 from edl_agent.preflight import check_host_root
 from edl_agent.restarter import cli as restarter_cli
 from edl_agent.sim import inject_cli
-from edl_agent.sim.profile import ProfileError, load_profile, profile_names
+
+if TYPE_CHECKING:
+    from edl_agent.agent import Agent
 
 EXIT_USAGE = 2
 KUBELET_DIR = "/var/lib/kubelet/device-plugins"
@@ -55,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.handler(args))
-    except (UsageError, ConfigError, ProfileError) as exc:
+    except (UsageError, ConfigError) as exc:  # a ProfileError is a UsageError
         print(error_line(str(exc)), file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
@@ -271,6 +273,8 @@ def node_settings(args: argparse.Namespace) -> Iterator[Settings]:
         check_host_root(settings.host_root)
         yield settings
         return
+    from edl_agent.sim.profile import load_profile
+
     profile = load_profile(args.simulate)
     with tempfile.TemporaryDirectory(prefix=f"edl-sim-{profile.name}-") as tmp:
         # A simulated host has its own kubelet directories unless they are configured.
@@ -287,6 +291,7 @@ def node_settings(args: argparse.Namespace) -> Iterator[Settings]:
 
 def _build_tree(name: str, directory: Path) -> None:
     from edl_agent.sim.fake_nvml_build import FakeNvmlBuildError
+    from edl_agent.sim.profile import load_profile
     from edl_agent.sim.tree import build_tree
 
     try:
@@ -326,41 +331,63 @@ def _run(args: argparse.Namespace) -> int:
 
     with node_settings(args) as settings:
         check_run_paths(settings)
+        _check_credentials(settings, simulated=args.simulate is not None)
         # Imported once the settings are known to be usable: these take most of the start-up.
         from edl_agent.agent import Agent
-        from edl_agent.faults.outbox import OutboxError
-        from edl_agent.kube import KUBECONFIG_ENV, KubeConfigError, connect
 
-        # A simulated node uses only a kubeconfig it is given: never $KUBECONFIG or a pod's
-        # service account, which belong to whatever real cluster this shell or pod is in.
-        simulated = args.simulate is not None
-        if simulated and not settings.node.kubeconfig and os.environ.get(KUBECONFIG_ENV):
-            structlog.get_logger().info(
-                "$KUBECONFIG ignored for a simulated node; pass --kubeconfig to use it"
-            )
-        try:
-            api = connect(settings.node.kubeconfig, ambient=not simulated)
-        except KubeConfigError as exc:
-            raise UsageError(str(exc)) from None
         agent = Agent(settings)
-        print(render_table(agent.state.snapshot().inventory), flush=True)
-        try:
-            agent.start_faults(api)
-        except (OutboxError, ValueError) as exc:
-            msg = f"faults: {exc}"
-            raise UsageError(msg) from None
-        try:
-            agent.start_metrics()
-        except OSError as exc:
-            agent.stop_faults()
-            msg = f"metrics_addr {settings.metrics_addr}: {exc.strerror or exc}"
-            raise UsageError(msg) from None
-        agent.start_publisher(api)
         stop = agent.stop
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: stop.set())
+        # Kubelet first: the devices are schedulable before the Kubernetes client, the metrics
+        # and the fault reporting are even loaded. A later start-up error takes them away again.
+        agent.serve_kubelet()
+        try:
+            print(render_table(agent.state.snapshot().inventory), flush=True)
+            _start_the_rest(agent, settings, simulated=args.simulate is not None)
+        except BaseException:
+            agent.close()
+            raise
         agent.run()
     return 0
+
+
+def _check_credentials(settings: Settings, *, simulated: bool) -> None:
+    """A kubeconfig that cannot work is refused before anything starts (UsageError)."""
+    from edl_agent.kube import KUBECONFIG_ENV, KubeConfigError, check_credentials
+
+    # A simulated node uses only a kubeconfig it is given: never $KUBECONFIG or a pod's
+    # service account, which belong to whatever real cluster this shell or pod is in.
+    if simulated and not settings.node.kubeconfig and os.environ.get(KUBECONFIG_ENV):
+        structlog.get_logger().info(
+            "$KUBECONFIG ignored for a simulated node; pass --kubeconfig to use it"
+        )
+    try:
+        check_credentials(settings.node.kubeconfig, ambient=not simulated)
+    except KubeConfigError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _start_the_rest(agent: Agent, settings: Settings, *, simulated: bool) -> None:
+    """Fault reporting, metrics and the node publisher; UsageError for unusable settings."""
+    from edl_agent.faults.outbox import OutboxError
+    from edl_agent.kube import KubeConfigError, connect
+
+    try:
+        api = connect(settings.node.kubeconfig, ambient=not simulated)
+    except KubeConfigError as exc:
+        raise UsageError(str(exc)) from None
+    try:
+        agent.start_faults(api)
+    except (OutboxError, ValueError) as exc:
+        msg = f"faults: {exc}"
+        raise UsageError(msg) from None
+    try:
+        agent.start_metrics()
+    except OSError as exc:
+        msg = f"metrics_addr {settings.metrics_addr}: {exc.strerror or exc}"
+        raise UsageError(msg) from None
+    agent.start_publisher(api)
 
 
 def _config(args: argparse.Namespace) -> int:
@@ -376,6 +403,8 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _simulate_list(_: argparse.Namespace) -> int:
+    from edl_agent.sim.profile import load_profile, profile_names
+
     for name in profile_names():
         print(f"{name:16} {load_profile(name).description}")
     return 0
@@ -384,6 +413,8 @@ def _simulate_list(_: argparse.Namespace) -> int:
 def _simulate_build(args: argparse.Namespace) -> int:
     log.configure()
     directory: Path = args.directory
+    from edl_agent.sim.profile import load_profile
+
     load_profile(args.profile)  # unknown or malformed profiles fail before anything is written
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
         msg = f"{directory}: exists and is not an empty directory"

@@ -17,8 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
 from edl_agent.errors import shorten
 from edl_agent.typed import SchemaError, build
 
@@ -485,6 +483,8 @@ class YamlProblem(ValueError):
 
 def load_yaml(text: str) -> Any:
     """`yaml.safe_load`, with everything it raises on bad input as a YamlProblem."""
+    import yaml  # only when a settings file or a YAML value is read: not at every start
+
     try:
         return yaml.safe_load(text)
     except yaml.reader.ReaderError as exc:  # a character YAML does not allow

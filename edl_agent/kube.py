@@ -14,6 +14,10 @@ must not label a real cluster's node because a shell or a pod happened to hold c
 `~/.kube/config` is never read.
 
 Objects go in and come out as plain JSON dicts; API errors become `ApiError` with the HTTP status.
+
+The kubernetes client package is imported only once credentials are found: it takes about half a
+second and 30 MiB to load, which an agent without a cluster (and its kubelet registration, which
+comes first) never pays.
 """
 
 from __future__ import annotations
@@ -22,19 +26,13 @@ import json
 import os
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import urllib3
-import yaml
-from kubernetes import client
-from kubernetes import config as kube_config
-from kubernetes.client.exceptions import ApiException
-from kubernetes.config.incluster_config import (
-    SERVICE_CERT_FILENAME,
-    SERVICE_HOST_ENV_NAME,
-    SERVICE_TOKEN_FILENAME,
-    InClusterConfigLoader,
-)
+from edl_agent.kubeconfig_check import kubeconfig_problem, read_documents
+
+if TYPE_CHECKING:
+    from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
 
 MERGE_PATCH = "application/merge-patch+json"
 STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
@@ -43,6 +41,10 @@ KUBECONFIG_ENV = "KUBECONFIG"
 CONFLICT = 409
 NOT_FOUND = 404
 GONE = 410
+# Where a pod finds its service account (the kubernetes client's in-cluster loader reads these).
+SERVICE_HOST_ENV_NAME = "KUBERNETES_SERVICE_HOST"
+SERVICE_TOKEN_FILENAME = "/var/run/secrets/kubernetes.io/serviceaccount/token"  # noqa: S105
+SERVICE_CERT_FILENAME = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
 
 
 class Closable(Protocol):
@@ -89,14 +91,26 @@ def api_client(
     else the in-cluster service account, else None; with `ambient=False` only the explicit one.
     `connections`: the most connections it keeps open (each watch holds one)."""
     env = os.environ if environ is None else environ
+    chosen = kubeconfig_to_use(kubeconfig, name=name, environ=env, ambient=ambient)
+    in_cluster = (
+        chosen is None
+        and ambient
+        and bool(env.get(SERVICE_HOST_ENV_NAME))
+        and _is_file(Path(token_file))
+    )
+    if chosen is None and not in_cluster:
+        return None
+    if chosen is not None:
+        _check_exists(*chosen, explicit=bool(kubeconfig))
+    from kubernetes import client
+    from kubernetes import config as kube_config
+    from kubernetes.config.incluster_config import InClusterConfigLoader
+
     configuration = client.Configuration()
     if connections is not None:
         configuration.connection_pool_maxsize = connections
-    chosen = kubeconfig_to_use(kubeconfig, name=name, environ=env, ambient=ambient)
     if chosen is not None:
         return _from_kubeconfig(*chosen, configuration, explicit=bool(kubeconfig))
-    if not ambient or not env.get(SERVICE_HOST_ENV_NAME) or not _is_file(Path(token_file)):
-        return None
     try:
         loader = InClusterConfigLoader(token_file, ca_file, environ=env)  # type: ignore[no-untyped-call]
         loader.load_and_set(configuration)  # type: ignore[no-untyped-call]
@@ -106,9 +120,33 @@ def api_client(
     return client.ApiClient(configuration)
 
 
-def _from_kubeconfig(
-    path: str, name: str, configuration: client.Configuration, *, explicit: bool
-) -> client.ApiClient:
+def check_credentials(
+    kubeconfig: str,
+    *,
+    name: str = "node.kubeconfig",
+    environ: Mapping[str, str] | None = None,
+    ambient: bool = True,
+) -> None:
+    """KubeConfigError when the kubeconfig `api_client` would load is missing or cannot work,
+    found without importing the kubernetes client (see kubeconfig_check)."""
+    env = os.environ if environ is None else environ
+    chosen = kubeconfig_to_use(kubeconfig, name=name, environ=env, ambient=ambient)
+    if chosen is None:
+        return
+    path, said = chosen
+    _check_exists(path, said, explicit=bool(kubeconfig))
+    files = [path] if kubeconfig else [p for p in path.split(os.pathsep) if p.strip()]
+    try:
+        problem = kubeconfig_problem(read_documents([Path(f).expanduser() for f in files]))
+    except ValueError as exc:
+        problem = str(exc)
+    if problem is not None:
+        msg = f"{said}: cannot use {path}: {problem}"
+        raise KubeConfigError(msg)
+
+
+def _check_exists(path: str, name: str, *, explicit: bool) -> None:
+    """KubeConfigError unless the kubeconfig (one of $KUBECONFIG's files) is a file."""
     # An explicit kubeconfig is one file; $KUBECONFIG may list several, as for kubectl.
     files = [path] if explicit else [p for p in path.split(os.pathsep) if p.strip()]
     if not any(_is_file(Path(f).expanduser()) for f in files):
@@ -119,6 +157,14 @@ def _from_kubeconfig(
         else:
             msg = f"{name}: {path} does not exist"
         raise KubeConfigError(msg)
+
+
+def _from_kubeconfig(
+    path: str, name: str, configuration: client.Configuration, *, explicit: bool
+) -> client.ApiClient:
+    import yaml
+    from kubernetes import config as kube_config
+
     try:
         api: client.ApiClient = kube_config.new_client_from_config(  # type: ignore[no-untyped-call]
             config_file=path, client_configuration=configuration, persist_config=False
@@ -164,6 +210,8 @@ class KubeApi:
     """The calls the node agent makes, on one ApiClient."""
 
     def __init__(self, api: client.ApiClient) -> None:
+        from kubernetes import client
+
         self.api = api
         # Typed as Any: with `_preload_content=False` the calls return the raw HTTP response,
         # which the client's annotations do not describe.
@@ -254,6 +302,9 @@ def watch_events(
     namespace-free arguments such as field_selector) until the server ends it; ApiError on a
     failure, ApiError(410) when the version is too old. `opened` gets the connection: closing
     it from another thread ends the watch."""
+    import urllib3
+    from kubernetes.client.exceptions import ApiException
+
     try:
         response = list_method(
             watch=True,
@@ -288,6 +339,9 @@ def watch_events(
 def call_json(method: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
     """Call a kubernetes client method and return the decoded JSON body; `ApiError` on any
     failure (an HTTP error status, or none: refused, TLS, timeouts)."""
+    import urllib3
+    from kubernetes.client.exceptions import ApiException
+
     try:
         response = method(*args, _preload_content=False, _request_timeout=REQUEST_TIMEOUT, **kwargs)
     except ApiException as exc:

@@ -31,7 +31,7 @@ from edl_agent.sim.profile import load_profile
 from edl_agent.sim.tree import build_tree
 from tests.kubelet_standin import KubeletStandIn
 from tests.podresources_standin import PodResourcesStandIn
-from tests.prometheus_runner import Prometheus, free_port, get, wait_for
+from tests.prometheus_runner import Prometheus, free_port, get, wait_for, wait_until_serving
 
 REPO = Path(__file__).resolve().parents[1]
 DASHBOARD = REPO / "deploy" / "grafana" / "edl-agent.json"
@@ -326,6 +326,7 @@ class SimulatedAgent:
             )  # fmt: skip
         try:
             self.kubelet.wait_registered({GPU}, timeout=60)
+            wait_until_serving(f"http://{self.address}")
             ids = self.gpu_ids()
             self.pod_resources.assign(
                 {

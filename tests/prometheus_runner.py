@@ -42,6 +42,18 @@ def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, bytes, di
         return error.code, error.read(), dict(error.headers)
 
 
+def wait_until_serving(base_url: str, timeout: float = 60) -> None:
+    """Until the agent's /healthz answers: kubelet is served first, metrics right after."""
+
+    def answers() -> bool:
+        try:
+            return get(f"{base_url}/healthz")[0] == 200
+        except OSError:  # not listening yet (urllib's URLError is an OSError)
+            return False
+
+    wait_for(answers, f"{base_url} serving", timeout)
+
+
 def wait_for(check: Callable[[], bool], what: str, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while not check():

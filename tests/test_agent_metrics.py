@@ -14,7 +14,14 @@ from edl_agent.sim import inject
 from edl_agent.sim.profile import load_profile
 from edl_agent.sim.tree import build_tree
 from tests.kubelet_standin import KubeletStandIn
-from tests.prometheus_runner import free_port, get, need, running_prometheus, wait_for
+from tests.prometheus_runner import (
+    free_port,
+    get,
+    need,
+    running_prometheus,
+    wait_for,
+    wait_until_serving,
+)
 
 
 @pytest.fixture
@@ -37,6 +44,7 @@ def agent(tmp_path: Path) -> Iterator[tuple[Path, str]]:
     )  # fmt: skip
     try:
         kubelet.wait_registered({"nvidia.com/gpu"}, timeout=60)
+        wait_until_serving(f"http://{address}")
         yield tree, f"http://{address}"
     finally:
         process.terminate()

@@ -319,6 +319,7 @@ def test_a_kubelet_restart_is_acted_on_when_its_socket_appears_not_at_the_next_t
     """With a tick far longer than the test may wait, only the watch on kubelet's directory can
     bring the re-registration in time."""
     monkeypatch.setattr(agent_module, "TICK_SECONDS", 120.0)
+    monkeypatch.setattr(agent_module, "WATCHED_TICK_SECONDS", 120.0)
     with running_node(tmp_path, "dgx-h100") as node:
         node.kubelet.wait_registered(node.resources)
         for _ in range(3):

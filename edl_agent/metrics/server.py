@@ -24,7 +24,7 @@ from edl_agent.address import parse_host_port
 
 # Idle keep-alive connections hold a thread each; drop them after this long.
 CONNECTION_TIMEOUT_SECONDS = 60.0
-SHUTDOWN_POLL_SECONDS = 0.1
+SHUTDOWN_POLL_SECONDS = 0.5
 
 Readiness = Callable[[], tuple[bool, str]]
 

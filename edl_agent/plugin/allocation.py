@@ -111,6 +111,25 @@ def optional_control_nodes() -> frozenset[str]:
     return frozenset(node for spec in VENDOR_SPECS.values() for node in spec.control_nodes)
 
 
+def paths_to_check(devices: Collection[Device], settings: PluginSettings) -> set[str]:
+    """The host paths whose presence `allocate` reads for `devices` (MIG parents included by
+    the caller): device and control nodes of each vendor that hands out device specs, and
+    nothing for NVIDIA unless `nvidia_device_specs` is on."""
+    paths: set[str] = set()
+    for vendor in {d.vendor for d in devices}:
+        spec = VENDOR_SPECS[vendor]
+        if _passes_device_specs(spec, settings):
+            paths.update(spec.control_nodes)
+    for device in devices:
+        if _passes_device_specs(VENDOR_SPECS[device.vendor], settings):
+            paths.update(device.device_nodes)
+    return paths
+
+
+def _passes_device_specs(spec: VendorSpec, settings: PluginSettings) -> bool:
+    return spec.always_device_specs or settings.nvidia_device_specs
+
+
 def allocate(
     *,
     requested_ids: Sequence[str],
@@ -152,7 +171,7 @@ def allocate(
         spec = VENDOR_SPECS[vendor]
         names = [_name(spec, d, i, devices, settings) for i, d in enumerate(members)]
         envs[spec.visible_env] = ",".join(names)
-        if spec.always_device_specs or settings.nvidia_device_specs:
+        if _passes_device_specs(spec, settings):
             nodes += _device_nodes(spec, members, existing_paths)
         if spec.cdi_kind is not None and settings.nvidia_cdi:
             cdi += [f"{spec.cdi_kind}={name}" for name in names]

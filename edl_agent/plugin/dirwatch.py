@@ -1,4 +1,5 @@
-"""Wakes the agent when kubelet's device-plugin directory changes (Linux inotify).
+"""Wakes the agent when kubelet's device-plugin directory changes (Linux inotify, through
+inotify_simple).
 
 Kubelet announces a restart only by deleting every socket in that directory and creating a new
 `kubelet.sock`; without a watch the agent notices at its next tick. The watch only says "look
@@ -8,34 +9,29 @@ costs at most one tick, never correctness. Where inotify is unavailable the tick
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import errno
 import os
 import select
-import struct
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import structlog
+from inotify_simple import INotify, flags
 
 log = structlog.get_logger()
 
-IN_MOVED_FROM = 0x00000040
-IN_MOVED_TO = 0x00000080
-IN_CREATE = 0x00000100
-IN_DELETE = 0x00000200
-IN_DELETE_SELF = 0x00000400
-IN_MOVE_SELF = 0x00000800
-IN_ONLYDIR = 0x01000000
 WATCHED = (
-    IN_CREATE | IN_DELETE | IN_MOVED_FROM | IN_MOVED_TO | IN_DELETE_SELF | IN_MOVE_SELF | IN_ONLYDIR
+    flags.CREATE
+    | flags.DELETE
+    | flags.MOVED_FROM
+    | flags.MOVED_TO
+    | flags.DELETE_SELF
+    | flags.MOVE_SELF
+    | flags.ONLYDIR
 )
+GONE = flags.DELETE_SELF | flags.MOVE_SELF
 # The directory itself may be removed and made again (by our own sync): watch it anew then.
 REWATCH_SECONDS = 1.0
-READ_BYTES = 64 * 1024
-EVENT = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len; then the name
 
 
 class DirectoryWatch:
@@ -45,9 +41,8 @@ class DirectoryWatch:
     def __init__(self, directory: Path, on_change: Callable[[], None]) -> None:
         self.directory = directory
         self._on_change = on_change
-        self._libc: ctypes.CDLL | None = None
-        self._fd = -1
-        self._watch = -1
+        self._inotify: INotify | None = None
+        self._watching = False
         self._stop_read, self._stop_write = -1, -1
         self._thread: threading.Thread | None = None
 
@@ -58,18 +53,10 @@ class DirectoryWatch:
     def start(self) -> bool:
         """Start watching; False (and a debug line) where inotify cannot be used."""
         try:
-            self._libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-            fd = self._libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
-        except (OSError, AttributeError) as exc:
+            self._inotify = INotify(nonblocking=True)
+        except OSError as exc:
             log.debug("no inotify: kubelet restarts are noticed at the next tick", error=str(exc))
             return False
-        if fd < 0:
-            log.debug(
-                "no inotify: kubelet restarts are noticed at the next tick",
-                error=os.strerror(ctypes.get_errno()),
-            )
-            return False
-        self._fd = fd
         self._stop_read, self._stop_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._add_watch()
         self._thread = threading.Thread(target=self._run, name="kubelet-dir-watch", daemon=True)
@@ -82,50 +69,50 @@ class DirectoryWatch:
         os.write(self._stop_write, b"x")
         self._thread.join(timeout=5)
         self._thread = None
-        for fd in (self._fd, self._stop_read, self._stop_write):
+        if self._inotify is not None:
+            self._inotify.close()
+            self._inotify = None
+        for fd in (self._stop_read, self._stop_write):
             os.close(fd)
-        self._fd = self._stop_read = self._stop_write = -1
+        self._stop_read = self._stop_write = -1
 
     def _add_watch(self) -> bool:
-        if self._libc is None:
+        if self._inotify is None:
             return False
-        self._watch = self._libc.inotify_add_watch(self._fd, os.fsencode(self.directory), WATCHED)
-        if self._watch < 0:
-            code = ctypes.get_errno()
-            if code != errno.ENOENT:
-                log.debug("cannot watch the kubelet directory", error=os.strerror(code))
+        try:
+            self._inotify.add_watch(self.directory, WATCHED)
+        except FileNotFoundError:
+            self._watching = False
             return False
+        except OSError as exc:
+            log.debug("cannot watch the kubelet directory", error=str(exc))
+            self._watching = False
+            return False
+        self._watching = True
         return True
 
     def _run(self) -> None:
+        assert self._inotify is not None  # noqa: S101 - started only after it was made
+        fd = self._inotify.fileno()
         while True:
-            timeout = None if self._watch >= 0 else REWATCH_SECONDS
-            readable, _, _ = select.select([self._fd, self._stop_read], [], [], timeout)
+            timeout = None if self._watching else REWATCH_SECONDS
+            readable, _, _ = select.select([fd, self._stop_read], [], [], timeout)
             if self._stop_read in readable:
                 return
-            if self._fd in readable and self._drain():
-                self._watch = -1  # the directory went away; its watch with it
-            if self._watch < 0 and self._add_watch():
+            if fd in readable and self._drain():
+                self._watching = False  # the directory went away; its watch with it
+            if not self._watching and self._add_watch():
                 self._notify()  # made again: whatever is in it now is news
 
     def _drain(self) -> bool:
         """Reads every pending event; True when the directory itself was removed or moved."""
-        gone = False
-        changed = False
-        while True:
-            try:
-                data = os.read(self._fd, READ_BYTES)
-            except BlockingIOError:
-                break
-            changed = True
-            offset = 0
-            while offset + EVENT.size <= len(data):
-                _, mask, _, length = EVENT.unpack_from(data, offset)
-                gone = gone or bool(mask & (IN_DELETE_SELF | IN_MOVE_SELF))
-                offset += EVENT.size + length
-        if changed:
+        assert self._inotify is not None  # noqa: S101
+        events = []
+        while batch := self._inotify.read(timeout=0):
+            events.extend(batch)
+        if events:
             self._notify()
-        return gone
+        return any(event.mask & GONE for event in events)
 
     def _notify(self) -> None:
         try:

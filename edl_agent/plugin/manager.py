@@ -73,6 +73,14 @@ class PluginManager:
     def resources(self) -> list[str]:
         return sorted(self._plugins)
 
+    @property
+    def registering(self) -> bool:
+        """True while kubelet is there and some resource still waits to be registered (its
+        retries are due on the tick)."""
+        return self._kubelet_identity is not None and any(
+            not plugin.registration.done for plugin in self._plugins.values()
+        )
+
     def sync(self) -> None:
         """Converge servers and registrations on the current inventory and kubelet."""
         self.directory.mkdir(parents=True, exist_ok=True)

@@ -11,12 +11,13 @@ import structlog
 from edl_agent._proto.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from edl_agent.config import PluginSettings
 from edl_agent.devices.hostroot import HostRoot
-from edl_agent.devices.model import ResourceUnit
+from edl_agent.devices.model import Device, ResourceUnit
 from edl_agent.plugin import allocation, preferred
 from edl_agent.plugin.state import DeviceState, Snapshot
 
-# ListAndWatch streams wake at least this often to notice that their server is stopping.
-WATCH_TICK_SECONDS = 0.5
+# ListAndWatch streams are woken when their call ends (and when their server stops); this is
+# only the backstop for a wake-up that was missed.
+WATCH_TICK_SECONDS = 5.0
 
 
 class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
@@ -48,6 +49,7 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
     def ListAndWatch(
         self, request: api_pb2.Empty, context: grpc.ServicerContext
     ) -> Iterator[api_pb2.ListAndWatchResponse]:
+        context.add_callback(self._state.wake)  # a call that ends (kubelet gone) ends the loop
         snapshot = self._state.snapshot()
         sent = self._device_list(snapshot)
         self._log.info("list and watch started", devices=len(sent.devices))
@@ -155,15 +157,17 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
     def _existing_paths(
         self, snapshot: Snapshot, units: Mapping[str, ResourceUnit], ids: Iterable[str]
     ) -> frozenset[str]:
-        """Which of the requested devices' nodes and the control nodes exist right now."""
-        candidates = set(allocation.optional_control_nodes())
+        """Which of the nodes the answer may name exist right now (read at every Allocate:
+        health polling may not have noticed a node that just went)."""
+        devices: list[Device] = []
         for unit_id in ids:
             unit = units.get(unit_id)
             device = snapshot.devices.get(unit.device_id) if unit is not None else None
             while device is not None:
-                candidates.update(device.device_nodes)
+                devices.append(device)
                 device = snapshot.devices.get(device.parent) if device.parent else None
-        return frozenset(path for path in candidates if self._root.exists(path))
+        paths = allocation.paths_to_check(devices, self._settings)
+        return frozenset(path for path in paths if self._root.exists(path))
 
 
 def plugin_options(settings: PluginSettings) -> api_pb2.DevicePluginOptions:

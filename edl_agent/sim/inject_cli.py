@@ -9,7 +9,6 @@ from pathlib import Path
 from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.model import Vendor
 from edl_agent.errors import UsageError
-from edl_agent.sim import ascend_tree, hygon_tree, inject, kunlunxin_tree
 
 HEX_CODE = re.compile(r"^(0[xX])?[0-9a-fA-F]{8}$")
 
@@ -76,6 +75,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _inject(args: argparse.Namespace) -> int:
+    # The simulated trees are imported only here: `edl-agent run` builds the parser too.
+    from edl_agent.sim import inject
+
     root: Path = args.directory
     if not root.is_dir():
         msg = f"{root}: not a directory (build one with `edl-agent simulate build`)"
@@ -118,6 +120,8 @@ def _inject(args: argparse.Namespace) -> int:
 
 
 def _set_health(root: Path, vendor: Vendor, index: int, code: str) -> None:
+    from edl_agent.sim import ascend_tree, hygon_tree, kunlunxin_tree
+
     if vendor is Vendor.ASCEND:
         if HEX_CODE.match(code):
             ascend_tree.set_npu_health(root, index, "Critical", fault_codes=(code,))
@@ -133,6 +137,8 @@ def _set_health(root: Path, vendor: Vendor, index: int, code: str) -> None:
 
 
 def _only_vendor(root: Path, *, polled: bool = False) -> Vendor:
+    from edl_agent.sim import hygon_tree
+
     host = HostRoot.at(root)
     present = [
         vendor

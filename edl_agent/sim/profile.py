@@ -16,12 +16,13 @@ from typing import Any, Literal
 
 import yaml
 
+from edl_agent.errors import UsageError
 from edl_agent.typed import SchemaError, build
 
 PROFILE_NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 
 
-class ProfileError(Exception):
+class ProfileError(UsageError):
     """A profile that is unknown or malformed; the message names the profile and the key."""
 
 

@@ -1,0 +1,86 @@
+"""Start-up order: kubelet gets the devices before the agent loads what registration does not need
+(the Kubernetes client, prometheus_client), and without credentials the client is never loaded."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.kubelet_standin import KubeletStandIn
+
+REGISTERED = '"event": "registered with kubelet"'
+KUBERNETES = re.compile(r"^import time:.*\|\s+kubernetes(\.\S+)?$")
+PROMETHEUS = re.compile(r"^import time:.*\|\s+prometheus_client(\.\S+)?$")
+
+
+def run_agent(tmp_path: Path, *extra: str, settle: float) -> list[str]:
+    """stderr lines of `edl-agent run --simulate dgx-h100` with import timing on, stopped by
+    SIGTERM `settle` seconds after it registered."""
+    kubelet = KubeletStandIn(tmp_path / "kubelet")
+    kubelet.start()
+    argv = [
+        sys.executable, "-m", "edl_agent.cli", "run", "--simulate", "dgx-h100",
+        "--kubelet-dir", str(kubelet.directory), "--log-format", "json",
+        "--metrics-addr", "127.0.0.1:0", "--state-dir", str(tmp_path / "state"), *extra,
+    ]  # fmt: skip
+    log = tmp_path / "agent.log"  # a file, not a pipe: the import timings fill a pipe's buffer
+    with log.open("w") as err:
+        agent = subprocess.Popen(
+            argv,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            env={**os.environ, "PYTHONPROFILEIMPORTTIME": "1"},
+        )
+    try:
+        kubelet.wait_registered({"nvidia.com/gpu"}, timeout=60)
+        time.sleep(settle)
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(timeout=30)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+        kubelet.stop()
+    lines = log.read_text().splitlines()
+    assert agent.returncode == 0, "\n".join(lines[-30:])
+    return lines
+
+
+def first(lines: list[str], match: re.Pattern[str] | str) -> int | None:
+    """The number of the first line that matches (a pattern) or contains (a string) `match`."""
+    for number, line in enumerate(lines):
+        found = match.search(line) is not None if isinstance(match, re.Pattern) else match in line
+        if found:
+            return number
+    return None
+
+
+def test_registered_before_the_kubernetes_client_and_metrics_are_loaded(tmp_path: Path) -> None:
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(  # a server nobody answers on: the publisher only retries
+        "apiVersion: v1\nkind: Config\ncurrent-context: ctx\n"
+        "contexts: [{name: ctx, context: {cluster: c1, user: u}}]\n"
+        "clusters: [{name: c1, cluster: {server: 'http://127.0.0.1:9'}}]\n"
+        "users: [{name: u, user: {token: t}}]\n"
+    )
+    lines = run_agent(tmp_path, "--kubeconfig", str(kubeconfig), settle=2.0)
+    registered = first(lines, REGISTERED)
+    kubernetes = first(lines, KUBERNETES)
+    prometheus = first(lines, PROMETHEUS)
+    assert registered is not None
+    assert kubernetes is not None, "a kubeconfig was given: the client is loaded after"
+    assert prometheus is not None, "metrics are served after"
+    assert registered < kubernetes
+    assert registered < prometheus
+
+
+def test_no_credentials_no_kubernetes_client(tmp_path: Path) -> None:
+    lines = run_agent(tmp_path, settle=1.0)
+    assert first(lines, REGISTERED) is not None
+    assert first(lines, KUBERNETES) is None
+    assert first(lines, PROMETHEUS) is not None
