@@ -86,7 +86,7 @@ if TYPE_CHECKING:
     from edl_agent.faults.pod_exits import PodExitWatcher
     from edl_agent.faults.sender import Sender
     from edl_agent.health.nvml_telemetry import NvmlTelemetry
-    from edl_agent.kube import KubeApi
+    from edl_agent.kube import NodeApi
     from edl_agent.labels.publisher import NodePublisher
     from edl_agent.metrics.server import MetricsServer
 
@@ -238,7 +238,7 @@ class Agent:
         self.stop_metrics()
         self._log.info("agent stopped")
 
-    def start_publisher(self, api: KubeApi | None) -> None:
+    def start_publisher(self, api: NodeApi | None) -> None:
         """Publish labels, the node condition and events (only logged when `api` is None)."""
         from edl_agent.labels.publisher import NodePublisher
 
@@ -255,7 +255,7 @@ class Agent:
         self.publisher.start()
         self.supervisor.add(Watched("node-publisher", self.publisher), critical=False)
 
-    def start_faults(self, api: KubeApi | None) -> None:
+    def start_faults(self, api: NodeApi | None) -> None:
         """Report faults: open the outbox and start its sender (when a restarter is configured)
         and watch this node's pods for container exits (when `api` is given). Raises OutboxError
         when the state directory cannot be used, ValueError for unusable sender settings."""

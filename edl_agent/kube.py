@@ -135,7 +135,7 @@ def check_credentials(
         return
     path, said = chosen
     _check_exists(path, said, explicit=bool(kubeconfig))
-    files = [path] if kubeconfig else [p for p in path.split(os.pathsep) if p.strip()]
+    files = _kubeconfig_files(path, explicit=bool(kubeconfig))
     try:
         problem = kubeconfig_problem(read_documents([Path(f).expanduser() for f in files]))
     except ValueError as exc:
@@ -145,10 +145,14 @@ def check_credentials(
         raise KubeConfigError(msg)
 
 
+def _kubeconfig_files(path: str, *, explicit: bool) -> list[str]:
+    """An explicit kubeconfig is one file; $KUBECONFIG may list several, as for kubectl."""
+    return [path] if explicit else [p for p in path.split(os.pathsep) if p.strip()]
+
+
 def _check_exists(path: str, name: str, *, explicit: bool) -> None:
     """KubeConfigError unless the kubeconfig (one of $KUBECONFIG's files) is a file."""
-    # An explicit kubeconfig is one file; $KUBECONFIG may list several, as for kubectl.
-    files = [path] if explicit else [p for p in path.split(os.pathsep) if p.strip()]
+    files = _kubeconfig_files(path, explicit=explicit)
     if not any(_is_file(Path(f).expanduser()) for f in files):
         if len(files) > 1:
             msg = f"{name}: none of {path} exists"
@@ -199,10 +203,78 @@ def _exists(path: Path) -> bool:
         return True
 
 
+class NodeApi(Protocol):
+    """The calls the node agent makes (`KubeApi`, and `kube_rest.RestKubeApi` without the
+    kubernetes package)."""
+
+    def close(self) -> None: ...
+
+    def read_node(self, name: str) -> dict[str, Any]: ...
+
+    def patch_node(self, name: str, patch: Mapping[str, Any]) -> dict[str, Any]: ...
+
+    def patch_node_status(self, name: str, patch: Mapping[str, Any]) -> dict[str, Any]: ...
+
+    def create_event(self, namespace: str, event: Mapping[str, Any]) -> dict[str, Any]: ...
+
+    def patch_event(
+        self, namespace: str, name: str, patch: Mapping[str, Any]
+    ) -> dict[str, Any]: ...
+
+    def watch_node(
+        self,
+        name: str,
+        *,
+        resource_version: str | None,
+        timeout_seconds: int,
+        opened: Callable[[Closable], None] | None = None,
+    ) -> Iterator[tuple[str, dict[str, Any]]]: ...
+
+    def list_pods(self, field_selector: str) -> dict[str, Any]: ...
+
+    def watch_pods(
+        self,
+        field_selector: str,
+        *,
+        resource_version: str | None,
+        timeout_seconds: int,
+        opened: Callable[[Closable], None] | None = None,
+    ) -> Iterator[tuple[str, dict[str, Any]]]: ...
+
+
 def connect(
-    kubeconfig: str, *, environ: Mapping[str, str] | None = None, ambient: bool = True
-) -> KubeApi | None:
-    api = api_client(kubeconfig, environ=environ, ambient=ambient)
+    kubeconfig: str,
+    *,
+    environ: Mapping[str, str] | None = None,
+    ambient: bool = True,
+    token_file: str = SERVICE_TOKEN_FILENAME,
+    ca_file: str = SERVICE_CERT_FILENAME,
+) -> NodeApi | None:
+    """The node agent's API client, from the same credentials as `api_client`: our own thin
+    client (kube_rest) where it serves them, else the kubernetes package's (exec and
+    auth-provider users, proxies). None: no credentials."""
+    from edl_agent.kube_rest import rest_client
+
+    env = os.environ if environ is None else environ
+    chosen = kubeconfig_to_use(kubeconfig, name="node.kubeconfig", environ=env, ambient=ambient)
+    if chosen is not None:
+        path, name = chosen
+        _check_exists(path, name, explicit=bool(kubeconfig))
+        files = _kubeconfig_files(path, explicit=bool(kubeconfig))
+        try:
+            rest = rest_client([Path(f).expanduser() for f in files], environ=env)
+        except KubeConfigError as exc:
+            msg = f"{name}: cannot use {path}: {exc}"
+            raise KubeConfigError(msg) from None
+    elif ambient and env.get(SERVICE_HOST_ENV_NAME) and _is_file(Path(token_file)):
+        rest = rest_client(None, environ=env, token_file=token_file, ca_file=ca_file)
+    else:
+        return None
+    if rest is not None:
+        return rest
+    api = api_client(
+        kubeconfig, environ=env, ambient=ambient, token_file=token_file, ca_file=ca_file
+    )
     return None if api is None else KubeApi(api)
 
 

@@ -8,6 +8,7 @@ Subclasses say how to list (optional) and how to watch from a resourceVersion.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -112,7 +113,10 @@ class WatchLoop:
 
 
 def _shutdown(response: Closable) -> None:
-    """Unblock the read the watch thread waits in (urllib3 >= 2.3; else close the response)."""
+    """Unblock the read the watch thread waits in (urllib3 >= 2.3; else close the response).
+    The last watch may be over already, its connection back in the pool: urllib3 then refuses
+    (RuntimeError), and there is nothing left to unblock."""
     shutdown = getattr(response, "shutdown", None) or getattr(response, "close", None)
     if shutdown is not None:
-        shutdown()
+        with contextlib.suppress(RuntimeError, OSError, ValueError):
+            shutdown()

@@ -28,13 +28,13 @@ def kubeconfig_problem(documents: Sequence[object]) -> str | None:
 
 
 def _context_problem(merged: Sequence[Mapping[object, object]], current: str) -> str | None:
-    context = _named(merged, "contexts", current)
+    context = named_entry(merged, "contexts", current)
     if context is None:
         return f"current-context {current!r} names no context"
     cluster_name = context.get("cluster")
     if not isinstance(cluster_name, str) or not cluster_name:
         return f"context {current!r} names no cluster"
-    cluster = _named(merged, "clusters", cluster_name)
+    cluster = named_entry(merged, "clusters", cluster_name)
     if cluster is None:
         return f"context {current!r}: cluster {cluster_name!r} is not defined"
     if not cluster.get("server"):
@@ -42,7 +42,7 @@ def _context_problem(merged: Sequence[Mapping[object, object]], current: str) ->
     return None
 
 
-def _named(
+def named_entry(
     documents: Sequence[Mapping[object, object]], kind: str, name: str
 ) -> Mapping[str, object] | None:
     """The first `kind` entry called `name` (its inner `context`/`cluster` mapping)."""

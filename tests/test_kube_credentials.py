@@ -211,3 +211,27 @@ def test_a_simulated_node_ignores_kubeconfig_env_but_not_the_flag(tmp_path: Path
     assert real_host.stderr == (
         f"edl-agent: error: $KUBECONFIG: {tmp_path}/missing does not exist\n"
     )
+
+
+def test_connect_uses_the_thin_client_unless_only_the_kubernetes_package_can(
+    tmp_path: Path,
+) -> None:
+    """The agent's client: our own (no kubernetes package) for what it serves, the package's for
+    what only it serves (here a proxy from the environment), none without credentials."""
+    from edl_agent.kube import KubeApi, connect
+    from edl_agent.kube_rest import RestKubeApi
+
+    kubeconfig = str(write_kubeconfig(tmp_path / "kubeconfig", "https://explicit:1"))
+    thin = connect(kubeconfig, environ={})
+    assert isinstance(thin, RestKubeApi)
+    thin.close()
+    proxied = connect(kubeconfig, environ={"https_proxy": "http://127.0.0.1:3128"})
+    assert isinstance(proxied, KubeApi)
+    proxied.close()
+    from_env = connect("", environ={"KUBECONFIG": kubeconfig})
+    assert isinstance(from_env, RestKubeApi)
+    from_env.close()
+    assert connect("", environ={"KUBECONFIG": kubeconfig}, ambient=False) is None
+    assert connect("", environ={}) is None
+    with pytest.raises(KubeConfigError, match=r"^node.kubeconfig: .* does not exist$"):
+        connect(str(tmp_path / "missing"), environ={})

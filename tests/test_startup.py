@@ -1,5 +1,6 @@
 """Start-up order: kubelet gets the devices before the agent loads what registration does not need
-(the Kubernetes client, prometheus_client), and without credentials the client is never loaded."""
+(its Kubernetes API client, prometheus_client); the kubernetes package is never loaded for a
+kubeconfig our own client serves."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from tests.kubelet_standin import KubeletStandIn
 
 REGISTERED = '"event": "registered with kubelet"'
 KUBERNETES = re.compile(r"^import time:.*\|\s+kubernetes(\.\S+)?$")
+API_CLIENT = re.compile(r"^import time:.*\|\s+edl_agent\.kube_rest$")
 PROMETHEUS = re.compile(r"^import time:.*\|\s+prometheus_client(\.\S+)?$")
 
 
@@ -60,7 +62,7 @@ def first(lines: list[str], match: re.Pattern[str] | str) -> int | None:
     return None
 
 
-def test_registered_before_the_kubernetes_client_and_metrics_are_loaded(tmp_path: Path) -> None:
+def test_registered_before_the_api_client_and_metrics_are_loaded(tmp_path: Path) -> None:
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(  # a server nobody answers on: the publisher only retries
         "apiVersion: v1\nkind: Config\ncurrent-context: ctx\n"
@@ -70,13 +72,14 @@ def test_registered_before_the_kubernetes_client_and_metrics_are_loaded(tmp_path
     )
     lines = run_agent(tmp_path, "--kubeconfig", str(kubeconfig), settle=2.0)
     registered = first(lines, REGISTERED)
-    kubernetes = first(lines, KUBERNETES)
+    api_client = first(lines, API_CLIENT)
     prometheus = first(lines, PROMETHEUS)
     assert registered is not None
-    assert kubernetes is not None, "a kubeconfig was given: the client is loaded after"
+    assert api_client is not None, "a kubeconfig was given: the client is loaded after"
     assert prometheus is not None, "metrics are served after"
-    assert registered < kubernetes
+    assert registered < api_client
     assert registered < prometheus
+    assert first(lines, KUBERNETES) is None, "a token kubeconfig needs no kubernetes package"
 
 
 def test_no_credentials_no_kubernetes_client(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ from edl_agent.backoff import backoff_delay
 from edl_agent.bounded import BoundedSet
 from edl_agent.faults.ids import container_exit_id
 from edl_agent.faults.model import Fault, FaultKind, PodRef
-from edl_agent.kube import KubeApi
+from edl_agent.kube import NodeApi
 from edl_agent.kube_watch import WatchLoop
 
 REMEMBERED = 10_000
@@ -98,7 +98,7 @@ class PodExitWatcher(WatchLoop):
 
     def __init__(
         self,
-        api: KubeApi,
+        api: NodeApi,
         node: str,
         on_fault: Callable[[Fault], None],
         *,

@@ -22,7 +22,7 @@ import structlog
 
 from edl_agent.config import NodeSettings
 from edl_agent.devices.model import Device
-from edl_agent.kube import CONFLICT, ApiError, KubeApi
+from edl_agent.kube import CONFLICT, ApiError, NodeApi
 from edl_agent.labels.condition import (
     CONDITION_TYPE,
     AcceleratorHealth,
@@ -53,7 +53,7 @@ class SyncResult:
 
 
 class NodeUpdater:
-    def __init__(self, *, api: KubeApi | None, node_name: str, settings: NodeSettings) -> None:
+    def __init__(self, *, api: NodeApi | None, node_name: str, settings: NodeSettings) -> None:
         self.api = api
         self.node_name = node_name
         self.settings = settings
@@ -173,7 +173,7 @@ class NodeUpdater:
             return False
         return True
 
-    def _write_labels(self, api: KubeApi, desired: dict[str, str]) -> bool:
+    def _write_labels(self, api: NodeApi, desired: dict[str, str]) -> bool:
         for _ in range(ATTEMPTS):
             node = self.read()
             metadata = node.get("metadata", {})
@@ -203,7 +203,7 @@ class NodeUpdater:
         raise ApiError(CONFLICT, msg)
 
     def _write_condition(
-        self, api: KubeApi, health: AcceleratorHealth, now: datetime, *, fresh: bool
+        self, api: NodeApi, health: AcceleratorHealth, now: datetime, *, fresh: bool
     ) -> None:
         previous = self._condition
         if previous is None or fresh:

@@ -21,7 +21,7 @@ from edl_agent.config import Settings
 from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.model import Vendor
 from edl_agent.health.tracker import Condition
-from edl_agent.kube import ApiError, KubeApi
+from edl_agent.kube import ApiError, NodeApi
 from edl_agent.labels.compute import node_labels
 from edl_agent.labels.condition import accelerator_health
 from edl_agent.labels.cordon import Cordon
@@ -38,7 +38,7 @@ class NodePublisher:
     def __init__(
         self,
         *,
-        api: KubeApi | None,
+        api: NodeApi | None,
         settings: Settings,
         state: DeviceState,
         root: HostRoot,

@@ -16,7 +16,7 @@ from typing import Any
 import structlog
 
 from edl_agent.config import NodeSettings
-from edl_agent.kube import NOT_FOUND, ApiError, KubeApi
+from edl_agent.kube import NOT_FOUND, ApiError, NodeApi
 from edl_agent.labels.condition import api_time
 from edl_agent.labels.events import Action, EventGate, EventSpec
 
@@ -26,7 +26,7 @@ EVENT_NAMESPACE = "default"
 
 
 class EventRecorder:
-    def __init__(self, *, api: KubeApi, node_name: str, settings: NodeSettings) -> None:
+    def __init__(self, *, api: NodeApi, node_name: str, settings: NodeSettings) -> None:
         self.api = api
         self.node_name = node_name
         self.namespace = EVENT_NAMESPACE

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from edl_agent.kube import KubeApi
+from edl_agent.kube import NodeApi
 from edl_agent.kube_watch import WatchLoop
 
 
@@ -21,7 +21,7 @@ class NodeWatcher(WatchLoop):
 
     def __init__(
         self,
-        api: KubeApi,
+        api: NodeApi,
         node_name: str,
         on_node: Callable[[Mapping[str, Any]], None],
         *,
