@@ -1,11 +1,17 @@
-"""Build NVIDIA's k8s-device-plugin from the Go module proxy, for the side-by-side benchmark.
+"""Build NVIDIA's k8s-device-plugin and GPU Feature Discovery from the Go module proxy, for the
+side-by-side benchmarks.
 
-    .venv/bin/python bench/build_nvidia_plugin.py [--version v0.19.0] [--force] [--print-path]
+    .venv/bin/python bench/build_nvidia_plugin.py [--version v0.19.0] [--only NAME] [--force]
+        [--print-path]
 
-The binary goes to `.cache/peers/nvidia-device-plugin/<version>/nvidia-device-plugin` (or under
-`$EDL_PEERS_DIR`) and is reused while it is there; a scratch Go module, go.sum and build.log
-stay in `<version>/.build/`. go-nvml is cgo (it dlopens libnvidia-ml.so.1), so the build needs
-CGO_ENABLED=1 and a C compiler. A cold build takes about 2 minutes on 2 cores.
+Both are commands of the same Go module, github.com/NVIDIA/k8s-device-plugin:
+`cmd/nvidia-device-plugin` (bench/nvidia_peer.py) and `cmd/gpu-feature-discovery`
+(bench/node_peer.py). Without `--only` both are built. Each binary goes to
+`.cache/peers/<name>/<version>/<name>` (or under `$EDL_PEERS_DIR`) and is reused while it is
+there; the build's `.build/` directory there keeps a scratch Go module requiring the tag, its
+go.sum and build.log. go-nvml is cgo (it dlopens libnvidia-ml.so.1), so the build needs
+CGO_ENABLED=1 and a C compiler. A cold build of the plugin takes about 2 minutes on 2 cores;
+GFD after it reuses most of the compiled packages.
 
 Standard library only, so it runs before any virtual environment exists.
 """
@@ -27,9 +33,11 @@ import k8sbinaries  # noqa: E402  (build helpers; standard library only too)
 
 DEFAULT_VERSION = "v0.19.0"  # the newest tag proxy.golang.org serves (v0.20.0 answers 403)
 MODULE = "github.com/NVIDIA/k8s-device-plugin"
-PACKAGE = f"{MODULE}/cmd/nvidia-device-plugin"
 BINARY = "nvidia-device-plugin"
-VERSION_VAR = f"{MODULE}/internal/info.version"  # what `--version` prints
+GFD = "gpu-feature-discovery"
+COMMANDS = (BINARY, GFD)  # each is the module's cmd/<name>
+PACKAGE = f"{MODULE}/cmd/{BINARY}"
+VERSION_VAR = f"{MODULE}/internal/info.version"  # what `--version` prints (both commands)
 
 
 class BuildError(Exception):
@@ -44,12 +52,13 @@ def peers_dir() -> Path:
     return Path(os.environ.get("EDL_PEERS_DIR") or REPO / ".cache" / "peers")
 
 
-def binary_path(version: str = DEFAULT_VERSION) -> Path:
-    return peers_dir() / BINARY / version / BINARY
+def binary_path(version: str = DEFAULT_VERSION, name: str = BINARY) -> Path:
+    return peers_dir() / name / version / name
 
 
-def built(version: str = DEFAULT_VERSION) -> Path | None:
-    path = binary_path(version)
+def built(version: str = DEFAULT_VERSION, name: str = BINARY) -> Path | None:
+    """The cached binary of `name` (the plugin unless told), or None when it is not built."""
+    path = binary_path(version, name)
     return path if path.is_file() and os.access(path, os.X_OK) else None
 
 
@@ -61,13 +70,17 @@ def _tool(name: str, why: str) -> str:
     return found
 
 
-def build(version: str = DEFAULT_VERSION, *, force: bool = False) -> Path:
-    """The plugin binary for `version`, built first when it is not cached."""
-    target = binary_path(version)
-    if not force and built(version):
+def build(version: str = DEFAULT_VERSION, *, force: bool = False, name: str = BINARY) -> Path:
+    """The binary of `name` (one of COMMANDS; the plugin unless told) for `version`, built
+    first when it is not cached."""
+    if name not in COMMANDS:
+        msg = f"unknown command {name!r}: {MODULE} {version} builds {', '.join(COMMANDS)}"
+        raise BuildError(msg)
+    target = binary_path(version, name)
+    if not force and built(version, name):
         return target
-    go = _tool("go", f"install Go (>= 1.25 for {MODULE} {version}) to build NVIDIA's plugin")
-    _tool("gcc", "go-nvml is cgo, so building NVIDIA's plugin needs a C compiler")
+    go = _tool("go", f"install Go (>= 1.25 for {MODULE} {version}) to build NVIDIA's {name}")
+    _tool("gcc", f"go-nvml is cgo, so building NVIDIA's {name} needs a C compiler")
     work = target.parent / ".build"
     work.mkdir(parents=True, exist_ok=True)
     logfile = work / "build.log"
@@ -79,8 +92,9 @@ def build(version: str = DEFAULT_VERSION, *, force: bool = False) -> Path:
     )
     (work / "doc.go").write_text("package peers\n")
     env = {"CGO_ENABLED": "1", "GOFLAGS": "-mod=mod -buildvcs=false"}
-    what = f"{BINARY} {version}"
-    log(f"building {PACKAGE}@{version} (about 2 min on 2 cores with cold Go caches; log {logfile})")
+    what = f"{name} {version}"
+    package = f"{MODULE}/cmd/{name}"
+    log(f"building {package}@{version} (about 2 min on 2 cores with cold Go caches; log {logfile})")
     started = time.monotonic()
     try:
         with k8sbinaries.heartbeat(what, every=30.0, say=log):
@@ -89,12 +103,12 @@ def build(version: str = DEFAULT_VERSION, *, force: bool = False) -> Path:
             )
             k8sbinaries.run_logged(
                 [go, "build", "-trimpath", "-ldflags", f"-s -w -X {VERSION_VAR}={version}",
-                 "-o", BINARY, PACKAGE],
+                 "-o", name, package],
                 cwd=work, logfile=logfile, what=what, env=env,
             )  # fmt: skip
     except k8sbinaries.BinariesError as exc:
         raise BuildError(str(exc)) from None
-    built_binary = work / BINARY
+    built_binary = work / name
     built_binary.chmod(0o755)
     built_binary.replace(target)
     log(f"built {target} in {time.monotonic() - started:.0f}s")
@@ -102,7 +116,8 @@ def build(version: str = DEFAULT_VERSION, *, force: bool = False) -> Path:
 
 
 def module_source(version: str = DEFAULT_VERSION) -> Path | None:
-    """Where the plugin's source lies in the Go module cache (after a build), if Go is here."""
+    """Where the module's source (plugin and GFD) lies in the Go module cache (after a build),
+    if Go is here."""
     go = shutil.which("go")
     if go is None:
         return None
@@ -115,18 +130,23 @@ def module_source(version: str = DEFAULT_VERSION) -> Path | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", default=DEFAULT_VERSION, help="a tag of the Go module")
+    parser.add_argument(
+        "--only", action="append", choices=COMMANDS, metavar="NAME",
+        help=f"build only this command (repeatable): {', '.join(COMMANDS)}; default: all",
+    )  # fmt: skip
     parser.add_argument("--force", action="store_true", help="rebuild even when cached")
-    parser.add_argument("--print-path", action="store_true", help="print the binary's path")
+    parser.add_argument("--print-path", action="store_true", help="print each binary's path")
     args = parser.parse_args(argv)
-    try:
-        path = build(args.version, force=args.force)
-    except BuildError as exc:
-        log(f"error: {exc}")
-        return 1
-    if args.print_path:
-        print(path)
-    else:
-        log(f"ready: {path}")
+    for name in args.only or COMMANDS:
+        try:
+            path = build(args.version, force=args.force, name=name)
+        except BuildError as exc:
+            log(f"error: {exc}")
+            return 1
+        if args.print_path:
+            print(path)
+        else:
+            log(f"ready: {path}")
     return 0
 
 

@@ -8,9 +8,10 @@ are printed as they come; everything else they say goes to stderr as progress. A
 is missing, crashes or overruns its time limit is reported as failed and the others still run;
 the exit status is then 1. Figures never fail the run, whatever their values.
 
-The NVIDIA side by side (bench/nvidia_peer.py) needs NVIDIA's plugin built: full mode builds it
-(bench/build_nvidia_plugin.py, about 2 minutes cold); quick mode runs it only when it is
-already built and otherwise says how to build it.
+The NVIDIA side by sides (bench/nvidia_peer.py, bench/node_peer.py) need NVIDIA's plugin (and,
+for node_peer, its GPU Feature Discovery) built: full mode builds them
+(bench/build_nvidia_plugin.py, about 2 minutes cold for the plugin, a little more for GFD); quick
+mode runs each only when what it needs is already built and otherwise says how to build it.
 
 Writes bench/results.json: every figure with its unit and benchmark, each benchmark's status
 and duration, and the machine (CPU, memory, Python, date, git commit, quick or full).
@@ -38,7 +39,7 @@ sys.path.insert(0, str(BENCH))
 
 import build_nvidia_plugin  # noqa: E402
 
-# name, script; in this order (cheap and independent first, the peer last).
+# name, script; in this order (cheap and independent first, the peers last).
 BENCHMARKS = [
     ("discovery", "discovery_bench.py"),
     ("plugin", "plugin_bench.py"),
@@ -47,7 +48,13 @@ BENCHMARKS = [
     ("metrics", "metrics_bench.py"),
     ("restarter", "restarter_bench.py"),
     ("nvidia_peer", "nvidia_peer.py"),
+    ("node_peer", "node_peer.py"),
 ]
+# What each peer benchmark needs of bench/build_nvidia_plugin.py's commands.
+PEERS = {
+    "nvidia_peer": (build_nvidia_plugin.BINARY,),
+    "node_peer": (build_nvidia_plugin.BINARY, build_nvidia_plugin.GFD),
+}
 TIME_LIMIT_S = {"quick": 100.0, "full": 1800.0}
 
 
@@ -176,11 +183,12 @@ def main() -> int:
         if args.only and name not in args.only:
             continue
         extra = ["--quick"] if args.quick else []
-        if name == "nvidia_peer":
-            if args.quick and build_nvidia_plugin.built() is None:
+        if name in PEERS:
+            absent = [n for n in PEERS[name] if build_nvidia_plugin.built(name=n) is None]
+            if args.quick and absent:
                 why = (
-                    f"NVIDIA k8s-device-plugin {build_nvidia_plugin.DEFAULT_VERSION} is not "
-                    "built, so the side by side is skipped; build it with "
+                    f"NVIDIA's {' and '.join(absent)} {build_nvidia_plugin.DEFAULT_VERSION} "
+                    "not built, so the side by side is skipped; build with "
                     "`.venv/bin/python bench/build_nvidia_plugin.py`"
                 )
                 log(f"{name}: {why}")
