@@ -44,6 +44,13 @@ def _snapshot(version: int, inventory: Inventory, unhealthy: frozenset[str]) -> 
         resources={r.name: r for r in inventory.resources},
         units={r.name: {u.id: u for u in r.units} for r in inventory.resources},
     )
+    return _with_unhealthy(partial, version, unhealthy)
+
+
+def _with_unhealthy(snapshot: Snapshot, version: int, unhealthy: frozenset[str]) -> Snapshot:
+    """`snapshot` with another unhealthy set: the maps derived from the inventory are kept (a
+    health change on the hot path must not rebuild thousands of share units)."""
+    partial = dataclasses.replace(snapshot, version=version, unhealthy=unhealthy)
     return dataclasses.replace(
         partial, unhealthy_all=frozenset(d for d in partial.devices if partial.is_unhealthy(d))
     )
@@ -77,7 +84,7 @@ class DeviceState:
             unhealthy = frozenset(device_ids)
             if unhealthy == current.unhealthy:
                 return False
-            self._publish(_snapshot(current.version + 1, current.inventory, unhealthy))
+            self._publish(_with_unhealthy(current, current.version + 1, unhealthy))
             return True
 
     def wait_newer(
