@@ -7,6 +7,7 @@ ValueError naming the problem out (the caller adds which flag or setting it came
 
 from __future__ import annotations
 
+import ipaddress
 import re
 
 from edl_agent.errors import shorten
@@ -54,3 +55,16 @@ def check_dial_target(address: str) -> None:
             f"{shorten(address)!r}: expected host:port with a host and a port from 1 (or unix:PATH)"
         )
         raise ValueError(msg)
+
+
+def is_loopback(address: str) -> bool:
+    """Whether `address` (`host:port`, `unix:PATH`, or a bare host) stays on this machine."""
+    if address.startswith(UNIX_PREFIX):
+        return True
+    host = address.rpartition(":")[0].strip("[]") if ":" in address else address
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

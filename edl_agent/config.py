@@ -316,8 +316,7 @@ class FaultSettings:
     clear)."""
 
     def check(self) -> None:
-        from edl_agent.address import check_dial_target
-        from edl_agent.faults.sender import is_loopback
+        from edl_agent.address import check_dial_target, is_loopback
 
         if not self.restarter_address:
             return

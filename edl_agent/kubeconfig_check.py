@@ -12,8 +12,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import yaml
-
 
 def kubeconfig_problem(documents: Sequence[object]) -> str | None:
     """Why these kubeconfig documents (in merge order) cannot be used, or None. Pure."""
@@ -60,6 +58,8 @@ def named_entry(
 
 def read_documents(paths: Sequence[Path]) -> list[object]:
     """The YAML of each file that exists; ValueError (the reason) when one cannot be read."""
+    import yaml  # not at start-up: only when there is a kubeconfig to read
+
     documents = []
     for path in paths:
         if not path.is_file():

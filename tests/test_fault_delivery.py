@@ -22,11 +22,12 @@ import pytest
 from structlog.testing import capture_logs
 
 from edl_agent._proto.edl.fault.v1 import fault_pb2, fault_pb2_grpc
+from edl_agent.address import is_loopback
 from edl_agent.backoff import backoff_delay
 from edl_agent.faults.convert import to_proto
 from edl_agent.faults.model import Fault, FaultKind, PodRef
 from edl_agent.faults.outbox import Outbox
-from edl_agent.faults.sender import Sender, SenderSettings, is_loopback
+from edl_agent.faults.sender import Sender, SenderSettings
 from edl_agent.restarter.auth import (
     NODE_NAME_EXTRA,
     CachedReviewer,

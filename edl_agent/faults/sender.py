@@ -11,7 +11,6 @@ wakes the sender at once; `stop()` sends nothing more and leaves the outbox on d
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import random
 import threading
 from collections.abc import Callable, Sequence
@@ -24,6 +23,7 @@ import grpc
 import structlog
 
 from edl_agent._proto.edl.fault.v1 import fault_pb2, fault_pb2_grpc
+from edl_agent.address import is_loopback
 from edl_agent.backoff import backoff_delay
 from edl_agent.faults.convert import to_proto
 from edl_agent.faults.model import Fault
@@ -64,18 +64,6 @@ class SenderCounts:
 
 class CallFailed(Exception):
     """A call that brought no verdict; its batch stays in the outbox."""
-
-
-def is_loopback(address: str) -> bool:
-    if address.startswith("unix:"):
-        return True
-    host = address.rpartition(":")[0].strip("[]") if ":" in address else address
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class Sender:

@@ -13,7 +13,6 @@ hand the fault on.
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import threading
 import time
 from collections import Counter
@@ -27,6 +26,7 @@ import grpc
 import structlog
 
 from edl_agent._proto.edl.fault.v1 import fault_pb2, fault_pb2_grpc
+from edl_agent.address import is_loopback
 from edl_agent.bounded import BoundedSet
 from edl_agent.faults.convert import InvalidFault, from_proto
 from edl_agent.faults.model import Fault
@@ -217,7 +217,7 @@ class IntakeServer:
         fault_pb2_grpc.add_FaultIntakeServicer_to_server(self.intake, server)  # type: ignore[no-untyped-call]
         try:
             if self._tls is None:
-                if not _loopback(self.listen):
+                if not is_loopback(self.listen):
                     log.warning("fault intake without TLS: tokens cross the network in clear")
                 port = server.add_insecure_port(self.listen)
             else:
@@ -248,11 +248,3 @@ def _abort(context: Any, code: grpc.StatusCode, details: str) -> NoReturn:
     context.abort(code, details)  # raises, ending the call with this status
     msg = "grpc's context.abort returned"
     raise AssertionError(msg)
-
-
-def _loopback(listen: str) -> bool:
-    host = listen.rpartition(":")[0].strip("[]")
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
