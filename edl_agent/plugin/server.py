@@ -61,7 +61,9 @@ class PluginServer:
         self.path = socket_path(directory, service.resource)
         self._executor: futures.ThreadPoolExecutor | None = None
         self._server: grpc.Server | None = None
-        self._inode: int | None = None
+        # The socket file we bound, as (device, inode, ctime): an inode number alone is reused
+        # at once by the file that replaces ours.
+        self._identity: tuple[int, int, int] | None = None
 
     @property
     def resource(self) -> str:
@@ -78,17 +80,11 @@ class PluginServer:
         api_pb2_grpc.add_DevicePluginServicer_to_server(self.service, self._server)  # type: ignore[no-untyped-call]
         self._server.add_insecure_port(f"unix://{self.path}")
         self._server.start()
-        try:
-            self._inode = self.path.stat().st_ino
-        except FileNotFoundError:  # removed at once (kubelet cleaning up): not serving, redone
-            self._inode = None
+        self._identity = _identity(self.path)  # None: removed at once (kubelet cleaning up)
 
     def serving(self) -> bool:
         """False when our socket file is gone or replaced (kubelet removes them on restart)."""
-        try:
-            return self._server is not None and self.path.stat().st_ino == self._inode
-        except FileNotFoundError:
-            return False
+        return self._server is not None and _identity(self.path) == self._identity
 
     def stop(self, grace: float = 0.5) -> None:
         """Stop serving, end the watch streams, release the threads and remove our socket."""
@@ -100,9 +96,17 @@ class PluginServer:
             self._executor.shutdown(wait=True, cancel_futures=True)
             self._executor = None
         with contextlib.suppress(FileNotFoundError):
-            if self._inode is not None and self.path.stat().st_ino == self._inode:
+            if self._identity is not None and _identity(self.path) == self._identity:
                 self.path.unlink()
-        self._inode = None
+        self._identity = None
+
+
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return None
+    return (stat.st_dev, stat.st_ino, stat.st_ctime_ns)
 
 
 def register(
