@@ -2,8 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+Figures = Mapping[str, tuple[float, str]]  # figure name → (value, unit)
+
 
 def percentile(values: list[float], q: float) -> float:
     """The nearest-rank `q`th percentile of `values` (q in 0..100)."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def print_side_by_side(prefix: str, ours: Figures, theirs: Figures) -> None:
+    """`<prefix>_<figure>_ours`, `_theirs` and `_ratio` (ours / theirs) lines for each figure."""
+    for key, (value, unit) in ours.items():
+        other = theirs[key][0]
+        print(f"{prefix}_{key}_ours {value:.6g} {unit}")
+        print(f"{prefix}_{key}_theirs {other:.6g} {unit}")
+        ratio = value / other if other > 0 else float("nan")
+        print(f"{prefix}_{key}_ratio {ratio:.3f} ratio")

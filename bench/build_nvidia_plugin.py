@@ -115,6 +115,28 @@ def build(version: str = DEFAULT_VERSION, *, force: bool = False, name: str = BI
     return target
 
 
+def binaries(version: str, names: tuple[str, ...], *, build_missing: bool) -> list[Path] | None:
+    """The binaries of `names`, built first when `build_missing`; None when one is missing
+    (and not built). BuildError when a build fails."""
+    paths = []
+    for name in names:
+        path = built(version, name)
+        if path is None and build_missing:
+            path = build(version, name=name)
+        if path is None:
+            return None
+        paths.append(path)
+    return paths
+
+
+def not_built(version: str, names: tuple[str, ...]) -> str:
+    """What to say when `binaries` found them missing."""
+    return (
+        f"NVIDIA's {' and '.join(names)} {version} not built; build with "
+        "`.venv/bin/python bench/build_nvidia_plugin.py` (or pass --build)"
+    )
+
+
 def module_source(version: str = DEFAULT_VERSION) -> Path | None:
     """Where the module's source (plugin and GFD) lies in the Go module cache (after a build),
     if Go is here."""

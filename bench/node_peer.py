@@ -59,6 +59,7 @@ import build_nvidia_plugin  # noqa: E402
 import k8sbinaries  # noqa: E402
 import pytest  # noqa: E402  (kube_tools reports its errors with pytest.fail)
 import testcluster  # noqa: E402
+from benchstats import print_side_by_side  # noqa: E402
 from k8s_test_helpers import KwokCluster  # noqa: E402
 from kube_tools import ModuleCrds, crd_files, wait_established  # noqa: E402
 from nvidia_peer import (  # noqa: E402
@@ -74,6 +75,7 @@ from nvidia_peer import (  # noqa: E402
 
 from tests.kubelet_standin import KubeletStandIn  # noqa: E402
 
+PEERS = (build_nvidia_plugin.BINARY, build_nvidia_plugin.GFD)  # what runs instead of us
 NAMESPACE = "node-peer"  # where GFD writes its NodeFeature objects
 LABEL = "nvidia.com/gpu.product"  # both sides write it, and each writes all its labels at once
 NFD_MODULE = "sigs.k8s.io/node-feature-discovery"
@@ -347,13 +349,7 @@ def report(ours: Samples, theirs: Samples, idle_s: float) -> None:
             "idle_cpu": (statistics.median(s.idle_cpu_percent), "percent_of_a_core"),
         }
 
-    mine, peer = figures(ours), figures(theirs)
-    for key, (value, unit) in mine.items():
-        other = peer[key][0]
-        print(f"node_peer_{key}_ours {value:.6g} {unit}")
-        print(f"node_peer_{key}_theirs {other:.6g} {unit}")
-        ratio = value / other if other > 0 else float("nan")
-        print(f"node_peer_{key}_ratio {ratio:.3f} ratio")
+    print_side_by_side("node_peer", figures(ours), figures(theirs))
     print(f"node_peer_processes_ours {ours.processes} processes")
     print(f"node_peer_processes_theirs {theirs.processes} processes")
     print(f"node_peer_label_count_ours {len(ours.labels)} labels")
@@ -367,19 +363,6 @@ def report(ours: Samples, theirs: Samples, idle_s: float) -> None:
     )
     for key in differ:
         log(f"label {key}: ours {ours.labels[key]!r}, GFD {theirs.labels[key]!r}")
-
-
-def peers(version: str, build: bool) -> tuple[Path, Path] | None:
-    """NVIDIA's plugin and GFD, built first with `build`; None when either is missing."""
-    paths = []
-    for name in (build_nvidia_plugin.BINARY, build_nvidia_plugin.GFD):
-        path = build_nvidia_plugin.built(version, name)
-        if path is None and build:
-            path = build_nvidia_plugin.build(version, name=name)
-        if path is None:
-            return None
-        paths.append(path)
-    return paths[0], paths[1]
 
 
 def main() -> int:
@@ -396,16 +379,12 @@ def main() -> int:
     idle_s = args.idle or (5.0 if args.quick else 65.0)
     settle_s = 2.0 if args.quick else 5.0
     try:
-        binaries = peers(args.version, args.build)
+        binaries = build_nvidia_plugin.binaries(args.version, PEERS, build_missing=args.build)
     except build_nvidia_plugin.BuildError as exc:
         log(f"cannot build NVIDIA's plugin or GFD: {exc}")
         return 1
     if binaries is None:
-        log(
-            f"NVIDIA k8s-device-plugin and gpu-feature-discovery {args.version} are not both "
-            "built; build them with `.venv/bin/python bench/build_nvidia_plugin.py` (or pass "
-            "--build)"
-        )
+        log(build_nvidia_plugin.not_built(args.version, PEERS))
         return 3
     absent = k8sbinaries.missing(k8sbinaries.CONTROL_PLANE)
     if absent:

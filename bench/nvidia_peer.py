@@ -51,7 +51,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 import build_nvidia_plugin  # noqa: E402
-from benchstats import percentile  # noqa: E402
+from benchstats import percentile, print_side_by_side  # noqa: E402
 
 from edl_agent._proto.deviceplugin.v1beta1 import api_pb2  # noqa: E402
 from edl_agent.sim import inject, nvidia_tree  # noqa: E402
@@ -319,13 +319,7 @@ def report(ours: Samples, theirs: Samples) -> None:
             "mig_registration": (statistics.median(s.mig_registration_s) * 1000, "ms"),
         }
 
-    mine, peer = figures(ours), figures(theirs)
-    for key, (value, unit) in mine.items():
-        other = peer[key][0]
-        print(f"nvidia_peer_{key}_ours {value:.3f} {unit}")
-        print(f"nvidia_peer_{key}_theirs {other:.3f} {unit}")
-        ratio = value / other if other > 0 else float("nan")
-        print(f"nvidia_peer_{key}_ratio {ratio:.3f} ratio")
+    print_side_by_side("nvidia_peer", figures(ours), figures(theirs))
     print(f"nvidia_peer_mig_resources {len(ours.mig_devices)} resources")
     print(f"nvidia_peer_mig_devices {sum(ours.mig_devices.values())} devices")
     if ours.mig_devices != theirs.mig_devices:
@@ -347,19 +341,16 @@ def main() -> int:
     rounds = args.rounds or (2 if args.quick else 5)
     calls = args.calls or (1000 if args.quick else 5000)
     restarts = args.restarts or (3 if args.quick else 10)
-    binary = build_nvidia_plugin.built(args.version)
-    if binary is None and args.build:
-        try:
-            binary = build_nvidia_plugin.build(args.version)
-        except build_nvidia_plugin.BuildError as exc:
-            log(f"cannot build NVIDIA's plugin: {exc}")
-            return 1
-    if binary is None:
-        log(
-            f"NVIDIA k8s-device-plugin {args.version} is not built; build it with "
-            "`.venv/bin/python bench/build_nvidia_plugin.py` (or pass --build)"
-        )
+    needed = (build_nvidia_plugin.BINARY,)
+    try:
+        found = build_nvidia_plugin.binaries(args.version, needed, build_missing=args.build)
+    except build_nvidia_plugin.BuildError as exc:
+        log(f"cannot build NVIDIA's plugin: {exc}")
+        return 1
+    if found is None:
+        log(build_nvidia_plugin.not_built(args.version, needed))
         return 3
+    binary = found[0]
     if shutil.which("unshare") is None:
         log("`unshare` (util-linux) is missing: NVIDIA's plugin needs a private /var/lib")
         return 1

@@ -49,11 +49,13 @@ BENCHMARKS = [
     ("restarter", "restarter_bench.py"),
     ("nvidia_peer", "nvidia_peer.py"),
     ("node_peer", "node_peer.py"),
+    ("kubelet_peer", "kubelet_peer.py"),
 ]
 # What each peer benchmark needs of bench/build_nvidia_plugin.py's commands.
 PEERS = {
     "nvidia_peer": (build_nvidia_plugin.BINARY,),
     "node_peer": (build_nvidia_plugin.BINARY, build_nvidia_plugin.GFD),
+    "kubelet_peer": (build_nvidia_plugin.BINARY,),
 }
 TIME_LIMIT_S = {"quick": 100.0, "full": 1800.0}
 
