@@ -50,7 +50,7 @@ def main() -> int:
                 sys.executable, "-m", "edl_agent.cli", "run", "--host-root", str(tree),
                 "--state-dir", str(tree / "state"),
                 "--kubelet-dir", str(kubelet.directory), "--metrics-addr", "127.0.0.1:0",
-                "--log-level", "error", "--set", "health.quiet_seconds=0.001",
+                "--log-level", "error", "--set", "health.quiet_seconds=0.05",
                 "--set", 'health.xid_clears_by={"48": "quiet"}',  # recover at once: re-measure
             ],
             stdout=subprocess.DEVNULL,

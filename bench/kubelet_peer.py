@@ -451,14 +451,14 @@ def report(ours: Samples, theirs: Samples) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="1 round, 2 kubelet restarts")
+    parser.add_argument("--quick", action="store_true", help="1 round, 1 kubelet restart")
     parser.add_argument("--rounds", type=int, help="fresh nodes per side (default 2)")
     parser.add_argument("--restarts", type=int, help="kubelet restarts per round (default 5)")
     parser.add_argument("--build", action="store_true", help="build NVIDIA's plugin if missing")
     parser.add_argument("--version", default=build_nvidia_plugin.DEFAULT_VERSION)
     args = parser.parse_args()
     rounds = args.rounds or (1 if args.quick else 2)
-    restarts = args.restarts or (2 if args.quick else 5)
+    restarts = args.restarts or (1 if args.quick else 5)
     needed = (build_nvidia_plugin.BINARY,)
     try:
         found = build_nvidia_plugin.binaries(args.version, needed, build_missing=args.build)

@@ -367,7 +367,7 @@ def report(ours: Samples, theirs: Samples, idle_s: float) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="1 round, 5 s idle window")
+    parser.add_argument("--quick", action="store_true", help="1 round, 2 s idle window")
     parser.add_argument("--rounds", type=int, help="fresh nodes per side (default 2)")
     parser.add_argument("--idle", type=float, help="idle window in seconds (default 65)")
     parser.add_argument("--build", action="store_true", help="build the plugin and GFD if missing")
@@ -376,8 +376,8 @@ def main() -> int:
     rounds = args.rounds or (1 if args.quick else 2)
     # 65 s: GFD relabels every 60 s (--sleep-interval) and we re-discover every 60 s, so a full
     # window holds one of each; quick mode sees neither.
-    idle_s = args.idle or (5.0 if args.quick else 65.0)
-    settle_s = 2.0 if args.quick else 5.0
+    idle_s = args.idle or (2.0 if args.quick else 65.0)
+    settle_s = 1.0 if args.quick else 5.0
     try:
         binaries = build_nvidia_plugin.binaries(args.version, PEERS, build_missing=args.build)
     except build_nvidia_plugin.BuildError as exc:

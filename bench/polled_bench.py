@@ -63,11 +63,11 @@ VENDORS: list[tuple[str, str, str, Callable[[Path, int], None], Callable[[Path, 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="--injections 3")
+    parser.add_argument("--quick", action="store_true", help="--injections 2")
     parser.add_argument("--injections", type=int, help="faults per vendor (default 20)")
     parser.add_argument("--poll-seconds", type=float, default=1.0, help="health.poll_seconds")
     args = parser.parse_args()
-    injections = args.injections or (3 if args.quick else 20)
+    injections = args.injections or (2 if args.quick else 20)
     for name, profile, resource, fault, recover in VENDORS:
         print(f"[polled] {profile}: {injections} faults", file=sys.stderr, flush=True)
         seconds = measure(

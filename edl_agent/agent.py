@@ -92,8 +92,11 @@ if TYPE_CHECKING:
 
 TICK_SECONDS = 0.25
 # The plugin part's round while kubelet's directory is watched and nothing waits to register: a
-# kubelet restart wakes it at once, so the round is only for presence and quiet periods.
+# kubelet restart wakes it at once, and a quiet period's end is a deadline of its own, so the
+# round is for device-node presence.
 WATCHED_TICK_SECONDS = 1.0
+# The shortest wait for a quiet period's end (one that is already due is expired in this round).
+MIN_TICK_SECONDS = 0.01
 NODE_VANISHED = "NODE_VANISHED"
 DEVICE_GONE = "DEVICE_GONE"
 DISCOVERY_FAILED = "DISCOVERY_FAILED"
@@ -723,8 +726,14 @@ class Agent:
 
     def _plugins_tick_seconds(self) -> float:
         if not self._directory_watched or self.plugins.registering:
-            return TICK_SECONDS
-        return min(WATCHED_TICK_SECONDS, self.settings.plugin.health_poll_seconds)
+            tick = TICK_SECONDS
+        else:
+            tick = min(WATCHED_TICK_SECONDS, self.settings.plugin.health_poll_seconds)
+        with self._health_lock:
+            quiet_end = self.tracker.next_quiet_end()
+        if quiet_end is not None:
+            tick = min(tick, max(quiet_end - time.monotonic(), MIN_TICK_SECONDS))
+        return tick
 
     def _plugins_step(self) -> None:
         self.tick(time.monotonic())
@@ -920,6 +929,8 @@ class Agent:
         """Push the tracker's view into the device state (caller holds the health lock)."""
         devices = self.state.snapshot().inventory.devices
         self.state.set_unhealthy(self.tracker.unhealthy(devices).keys() | self._cordoned)
+        if changes:
+            self.stop.wake.set()  # the plugin round plans for a quiet period that may have begun
         for change in changes:
             self._log.log(
                 30 if change.to == "Unhealthy" else 20,

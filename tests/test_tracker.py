@@ -61,6 +61,22 @@ def test_quiet_conditions_end_after_the_quiet_period_only() -> None:
     assert tracker.counts.transitions[("GPU-3", "Healthy", "XID31")] == 1
 
 
+def test_next_quiet_end_is_when_expire_is_due() -> None:
+    tracker = tracker_with(XID31=ClearsBy.QUIET, XID48=ClearsBy.RESET)
+    tracker.observe(event("GPU-0", "XID48", Level.DEVICE_FATAL, 10, code=48), ALL)
+    assert tracker.next_quiet_end() is None, "a reset-class condition has no quiet end"
+    tracker.observe(event("GPU-3", "XID31", Level.DEVICE_FATAL, 100, code=31), ALL)
+    tracker.observe(event("GPU-2", "XID31", Level.DEVICE_FATAL, 120, code=31), ALL)
+    assert tracker.next_quiet_end() == 160
+    tracker.observe(event("GPU-3", "XID31", Level.DEVICE_FATAL, 130, code=31), ALL)
+    assert tracker.next_quiet_end() == 180, "a repeat moves its end"
+    assert tracker.expire(179.9) == []
+    assert [c.device_id for c in tracker.expire(180)] == ["GPU-2"]
+    assert tracker.next_quiet_end() == 190
+    tracker.expire(190)
+    assert tracker.next_quiet_end() is None
+
+
 @pytest.mark.parametrize(
     ("clears_by", "ended_by"),
     [

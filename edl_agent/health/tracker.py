@@ -213,6 +213,17 @@ class HealthTracker:
         since = math.nextafter(now - self.quiet_seconds, math.inf)
         return self.clear(quiet, Evidence.QUIET, seen_before=since)
 
+    def next_quiet_end(self) -> float | None:
+        """When the earliest `quiet` condition ends if it does not repeat (None: there is none):
+        `expire` is due then."""
+        ends = [
+            c.last_seen + self.quiet_seconds
+            for conditions in self._device.values()
+            for c in conditions.values()
+            if c.clears_by is ClearsBy.QUIET
+        ]
+        return min(ends, default=None)
+
     def reboot(self) -> list[Transition]:
         """The node rebooted: everything but what needs a person ends."""
         return self.clear(list(self._device), Evidence.REBOOT)
