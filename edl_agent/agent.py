@@ -78,9 +78,9 @@ from edl_agent.plugin.state import DeviceState
 from edl_agent.supervisor import Every, Supervisor, Watched
 
 if TYPE_CHECKING:
-    # Imported where they start (start_faults, start_metrics, start_publisher): the Kubernetes
-    # client and prometheus_client are most of the agent's import time, and registration with
-    # kubelet (serve_kubelet) needs neither; nor does it need fault reporting.
+    # Imported where they start (start_faults, start_metrics, start_publisher): registration
+    # with kubelet (serve_kubelet) comes first and needs none of the API client,
+    # prometheus_client or fault reporting.
     from edl_agent.faults.model import Fault
     from edl_agent.faults.outbox import Outbox
     from edl_agent.faults.pod_exits import PodExitWatcher

@@ -15,9 +15,9 @@ must not label a real cluster's node because a shell or a pod happened to hold c
 
 Objects go in and come out as plain JSON dicts; API errors become `ApiError` with the HTTP status.
 
-The kubernetes client package is imported only once credentials are found: it takes about half a
-second and 30 MiB to load, which an agent without a cluster (and its kubelet registration, which
-comes first) never pays.
+The node agent's client (`connect`, the `NodeApi` calls) is our own `kube_rest` wherever it
+serves the credentials; the kubernetes package (`api_client`, `KubeApi`, the restarter's client)
+is imported only when it is used: it takes about half a second and 35 MiB to load.
 """
 
 from __future__ import annotations
