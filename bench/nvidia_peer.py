@@ -163,7 +163,10 @@ def theirs_command(binary: Path, node: Node) -> tuple[list[str], dict[str, str]]
     namespace = ["unshare", "--mount", "--propagation", "private"]
     if os.geteuid() != 0:
         namespace.insert(1, "--map-root-user")
-    bind = 'mount --bind "$1" /var/lib && mount --bind "$2" /proc/driver && shift 2 && exec "$@"'
+    # -n: the mounts die with the namespace; without it mount(8) writes /run/mount on the host.
+    bind = (
+        'mount -n --bind "$1" /var/lib && mount -n --bind "$2" /proc/driver && shift 2 && exec "$@"'
+    )
     argv = [*namespace, "sh", "-c", bind, "sh", str(node.var_lib), str(node.proc_driver), *plugin]
     lib_dir = node.tree / Path(nvidia_tree.LIBRARY).parent.relative_to("/")
     env = {**os.environ, "LD_LIBRARY_PATH": str(lib_dir)}
