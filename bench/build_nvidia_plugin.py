@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -135,6 +136,22 @@ def not_built(version: str, names: tuple[str, ...]) -> str:
         f"NVIDIA's {' and '.join(names)} {version} not built; build with "
         "`.venv/bin/python bench/build_nvidia_plugin.py` (or pass --build)"
     )
+
+
+def require(
+    version: str, names: tuple[str, ...], *, build_missing: bool, say: Callable[[str], None]
+) -> list[Path]:
+    """`binaries` for a benchmark's main: it exits 1 (said why) when a build fails and 3 when
+    one is not built, the status bench/run.py reads as skipped."""
+    try:
+        found = binaries(version, names, build_missing=build_missing)
+    except BuildError as exc:
+        say(f"cannot build NVIDIA's {' and '.join(names)}: {exc}")
+        raise SystemExit(1) from None
+    if found is None:
+        say(not_built(version, names))
+        raise SystemExit(3)
+    return found
 
 
 def module_source(version: str = DEFAULT_VERSION) -> Path | None:

@@ -459,16 +459,9 @@ def main() -> int:
     args = parser.parse_args()
     rounds = args.rounds or (1 if args.quick else 2)
     restarts = args.restarts or (1 if args.quick else 5)
-    needed = (build_nvidia_plugin.BINARY,)
-    try:
-        found = build_nvidia_plugin.binaries(args.version, needed, build_missing=args.build)
-    except build_nvidia_plugin.BuildError as exc:
-        log(f"cannot build NVIDIA's plugin: {exc}")
-        return 1
-    if found is None:
-        log(build_nvidia_plugin.not_built(args.version, needed))
-        return 3
-    binary = found[0]
+    [binary] = build_nvidia_plugin.require(
+        args.version, (build_nvidia_plugin.BINARY,), build_missing=args.build, say=log
+    )
     absent = k8sbinaries.missing((*k8sbinaries.CONTROL_PLANE, "kubelet", k8sbinaries.FAKE_CRI))
     if absent:
         log(f"{', '.join(absent)} missing in {k8sbinaries.bin_dir()}: run scripts/k8s-binaries")

@@ -378,19 +378,13 @@ def main() -> int:
     # window holds one of each; quick mode sees neither.
     idle_s = args.idle or (2.0 if args.quick else 65.0)
     settle_s = 1.0 if args.quick else 5.0
-    try:
-        binaries = build_nvidia_plugin.binaries(args.version, PEERS, build_missing=args.build)
-    except build_nvidia_plugin.BuildError as exc:
-        log(f"cannot build NVIDIA's plugin or GFD: {exc}")
-        return 1
-    if binaries is None:
-        log(build_nvidia_plugin.not_built(args.version, PEERS))
-        return 3
+    plugin, gfd = build_nvidia_plugin.require(
+        args.version, PEERS, build_missing=args.build, say=log
+    )
     absent = k8sbinaries.missing(k8sbinaries.CONTROL_PLANE)
     if absent:
         log(f"the test control plane lacks {', '.join(absent)}: run scripts/k8s-binaries")
         return 3
-    plugin, gfd = binaries
     ours, theirs = Samples(), Samples()
     with tempfile.TemporaryDirectory(prefix="edl-node-peer-") as tmp:
         scratch = Path(tmp)

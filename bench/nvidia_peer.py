@@ -344,16 +344,9 @@ def main() -> int:
     rounds = args.rounds or (2 if args.quick else 5)
     calls = args.calls or (1000 if args.quick else 5000)
     restarts = args.restarts or (3 if args.quick else 10)
-    needed = (build_nvidia_plugin.BINARY,)
-    try:
-        found = build_nvidia_plugin.binaries(args.version, needed, build_missing=args.build)
-    except build_nvidia_plugin.BuildError as exc:
-        log(f"cannot build NVIDIA's plugin: {exc}")
-        return 1
-    if found is None:
-        log(build_nvidia_plugin.not_built(args.version, needed))
-        return 3
-    binary = found[0]
+    [binary] = build_nvidia_plugin.require(
+        args.version, (build_nvidia_plugin.BINARY,), build_missing=args.build, say=log
+    )
     if shutil.which("unshare") is None:
         log("`unshare` (util-linux) is missing: NVIDIA's plugin needs a private /var/lib")
         return 1
