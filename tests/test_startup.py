@@ -20,9 +20,12 @@ API_CLIENT = re.compile(r"^import time:.*\|\s+edl_agent\.kube_rest$")
 PROMETHEUS = re.compile(r"^import time:.*\|\s+prometheus_client(\.\S+)?$")
 
 
-def run_agent(tmp_path: Path, *extra: str, settle: float) -> list[str]:
+RUNNING = '"event": "agent running"'  # logged once everything has started
+
+
+def run_agent(tmp_path: Path, *extra: str) -> list[str]:
     """stderr lines of `edl-agent run --simulate dgx-h100` with import timing on, stopped by
-    SIGTERM `settle` seconds after it registered."""
+    SIGTERM once it registered and said that everything runs."""
     kubelet = KubeletStandIn(tmp_path / "kubelet")
     kubelet.start()
     argv = [
@@ -40,7 +43,10 @@ def run_agent(tmp_path: Path, *extra: str, settle: float) -> list[str]:
         )
     try:
         kubelet.wait_registered({"nvidia.com/gpu"}, timeout=60)
-        time.sleep(settle)
+        deadline = time.monotonic() + 60
+        while RUNNING not in log.read_text() and agent.poll() is None:
+            assert time.monotonic() < deadline, "the agent never said it runs"
+            time.sleep(0.05)
         agent.send_signal(signal.SIGTERM)
         agent.wait(timeout=30)
     finally:
@@ -70,7 +76,7 @@ def test_registered_before_the_api_client_and_metrics_are_loaded(tmp_path: Path)
         "clusters: [{name: c1, cluster: {server: 'http://127.0.0.1:9'}}]\n"
         "users: [{name: u, user: {token: t}}]\n"
     )
-    lines = run_agent(tmp_path, "--kubeconfig", str(kubeconfig), settle=2.0)
+    lines = run_agent(tmp_path, "--kubeconfig", str(kubeconfig))
     registered = first(lines, REGISTERED)
     api_client = first(lines, API_CLIENT)
     prometheus = first(lines, PROMETHEUS)
@@ -83,7 +89,7 @@ def test_registered_before_the_api_client_and_metrics_are_loaded(tmp_path: Path)
 
 
 def test_no_credentials_no_kubernetes_client(tmp_path: Path) -> None:
-    lines = run_agent(tmp_path, settle=1.0)
+    lines = run_agent(tmp_path)
     assert first(lines, REGISTERED) is not None
     assert first(lines, KUBERNETES) is None
     assert first(lines, PROMETHEUS) is not None
