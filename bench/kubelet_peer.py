@@ -399,16 +399,7 @@ def run_side(
     seed: int,
     samples: Samples,
 ) -> None:
-    node = testnode.start_node(
-        root,
-        f"kp-{root.name}",
-        server=plane.server,
-        admin_token=plane.token,
-        ca_file=plane.ca_file,
-        ca_key=plane.ca_file.with_name("ca.key"),
-        attached=True,
-        timeout=STEP_S,
-    )
+    node = testnode.start_node_on(plane, root, f"kp-{root.name}", attached=True, timeout=STEP_S)
     # The same pauses for both sides of a round.
     run = Side(side, node, core, samples, random.Random(seed))  # noqa: S311 - not a secret
     try:

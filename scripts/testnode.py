@@ -392,6 +392,27 @@ def _start_kubelet(node: Node, state: dict[str, object]) -> None:
     _record(node.paths, state, "kubelet", proc)
 
 
+def start_node_on(
+    plane: testcluster.ControlPlane,
+    root: Path,
+    name: str,
+    *,
+    attached: bool = True,
+    timeout: float = 60.0,
+) -> Node:
+    """`start_node` registered with the control plane `plane` (its server, token and CA)."""
+    return start_node(
+        root,
+        name,
+        server=plane.server,
+        admin_token=plane.token,
+        ca_file=plane.ca_file,
+        ca_key=plane.ca_file.with_name("ca.key"),
+        attached=attached,
+        timeout=timeout,
+    )
+
+
 def start_node(
     root: Path,
     name: str,
@@ -767,15 +788,8 @@ def up(directory: Path, count: int, *, timeout: float = 60.0) -> list[Node]:
     try:
         for name in node_names(count):
             started = time.monotonic()
-            node = start_node(
-                directory / "nodes" / name,
-                name,
-                server=plane.server,
-                admin_token=plane.token,
-                ca_file=plane.ca_file,
-                ca_key=plane.ca_file.with_name("ca.key"),
-                attached=False,
-                timeout=timeout,
+            node = start_node_on(
+                plane, directory / "nodes" / name, name, attached=False, timeout=timeout
             )
             nodes.append(node)
             _log(f"node {name} Ready in {time.monotonic() - started:.1f}s ({node.paths.env_file})")

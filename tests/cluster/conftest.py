@@ -148,14 +148,8 @@ def kubelet_nodes(k8s_control_plane: testcluster.ControlPlane) -> Iterator[Start
         root = Path(tempfile.mkdtemp(prefix="edl-kn-", dir="/tmp"))
         roots.append(root)
         try:
-            node = testnode.start_node(
-                root,
-                name or f"kn-{secrets.token_hex(3)}",
-                server=k8s_control_plane.server,
-                admin_token=k8s_control_plane.token,
-                ca_file=k8s_control_plane.ca_file,
-                ca_key=k8s_control_plane.ca_file.with_name("ca.key"),
-                attached=True,
+            node = testnode.start_node_on(
+                k8s_control_plane, root, name or f"kn-{secrets.token_hex(3)}", attached=True
             )
         except testnode.NodeError as exc:
             pytest.fail(f"could not start a kubelet node: {exc}", pytrace=False)
