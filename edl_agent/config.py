@@ -40,6 +40,9 @@ MIN_MEMORY_UNIT_MIB = 64
 # A config file is a page of YAML; reading stops here so that a wrong path (/dev/zero, a disk
 # image) is refused at once instead of filling memory.
 MAX_CONFIG_BYTES = 1024 * 1024
+# Which kubelet API serves a vendor's devices: the device plugin (extended resources), Dynamic
+# Resource Allocation (ResourceSlices and claims), or both during a migration.
+Serve = Literal["device-plugin", "dra", "both"]
 
 
 class ConfigError(Exception):
@@ -50,6 +53,9 @@ class ConfigError(Exception):
 class NvidiaSettings:
     enabled: bool = True
     """Discover NVIDIA GPUs through NVML."""
+    serve: Serve = "device-plugin"
+    """How kubelet gets these GPUs: `device-plugin`, `dra` (ResourceSlices and the DRA kubelet
+    plugin) or `both` (a migration; no device is handed out by both, see the README)."""
     resource_name: str = "nvidia.com/gpu"
     """Resource for whole GPUs (and for MIG devices under the `single` strategy)."""
     mig_strategy: Literal["none", "single", "mixed"] = "none"
@@ -61,6 +67,9 @@ class NvidiaSettings:
 class KunlunxinSettings:
     enabled: bool = True
     """Discover Kunlunxin XPUs (`/dev/xpu*`, `xpu-smi`)."""
+    serve: Serve = "device-plugin"
+    """How kubelet gets these XPUs: `device-plugin`, `dra` (ResourceSlices and the DRA kubelet
+    plugin) or `both` (a migration; no device is handed out by both, see the README)."""
     resource_name: str = "kunlunxin.com/xpu"
     """Resource for whole XPUs (older clusters use `baidu.com/xpu`)."""
 
@@ -69,6 +78,9 @@ class KunlunxinSettings:
 class HygonSettings:
     enabled: bool = True
     """Discover Hygon DCUs (DRM cards of PCI vendor 0x1d94, `hy-smi`)."""
+    serve: Serve = "device-plugin"
+    """How kubelet gets these DCUs: `device-plugin`, `dra` (ResourceSlices and the DRA kubelet
+    plugin) or `both` (a migration; no device is handed out by both, see the README)."""
     resource_name: str = "hygon.com/dcunum"
     """Resource for whole DCUs."""
 
@@ -93,6 +105,9 @@ class VnpuTemplate:
 class AscendSettings:
     enabled: bool = True
     """Discover Huawei Ascend NPUs (`/dev/davinci*`, `npu-smi`)."""
+    serve: Serve = "device-plugin"
+    """How kubelet gets these NPUs: `device-plugin`, `dra` (ResourceSlices and the DRA kubelet
+    plugin) or `both` (a migration; no device is handed out by both, see the README)."""
     resource_prefix: str = "huawei.com/"
     """Resources are named by chip family after this prefix: `huawei.com/Ascend910`."""
     vnpu_templates: tuple[VnpuTemplate, ...] = ()
@@ -334,6 +349,29 @@ class FaultSettings:
 
 
 @dataclass(frozen=True)
+class DraSettings:
+    plugins_registry_dir: str = "/var/lib/kubelet/plugins_registry"
+    """Kubelet's plugin-watcher directory. One socket per DRA driver is created here; it serves
+    registration, the DRA plugin API and device health."""
+    cdi_dir: str = "/var/run/cdi"
+    """Where CDI specs for the devices (and per prepared claim) are written for the container
+    runtime."""
+    unhealthy_taint: Literal["NoSchedule", "NoExecute"] = "NoSchedule"
+    """The taint an unhealthy device gets on its ResourceSlice: NoSchedule keeps new claims off
+    it; NoExecute also evicts the pods that hold it."""
+    health_timeout_seconds: int = 30
+    """How long kubelet trusts a device health report; the agent repeats each report well
+    within it."""
+
+    def check(self) -> None:
+        if not 5 <= self.health_timeout_seconds <= 3600:
+            raise ValueError("health_timeout_seconds: must be between 5 and 3600")
+        for key in ("plugins_registry_dir", "cdi_dir"):
+            if not getattr(self, key).startswith("/"):
+                raise ValueError(f"{key}: must be an absolute path")
+
+
+@dataclass(frozen=True)
 class Settings:
     node_name: str = ""
     """The Kubernetes node this agent runs on; default: $NODE_NAME, else the host's hostname."""
@@ -348,6 +386,8 @@ class Settings:
     hygon: HygonSettings = field(default_factory=HygonSettings)
     ascend: AscendSettings = field(default_factory=AscendSettings)
     plugin: PluginSettings = field(default_factory=PluginSettings)
+    dra: DraSettings = field(default_factory=DraSettings)
+    """Dynamic Resource Allocation, for vendors whose `serve` is `dra` or `both`."""
     health: HealthSettings = field(default_factory=HealthSettings)
     node: NodeSettings = field(default_factory=NodeSettings)
     """Labels, the AcceleratorHealthy condition and Events on this node's Node object."""
@@ -360,6 +400,13 @@ class Settings:
     sharing: tuple[SharingRule, ...] = ()
     """Sharing rules per resource: [{resource, keep_whole, replicas, replica_resource,
     memory_unit_mib, memory_resource, core_unit_percent, core_resource}]; see README."""
+
+    def serve(self, vendor: str) -> Serve:
+        """How kubelet gets `vendor`'s devices (a Vendor value: `nvidia`, `ascend` ...)."""
+        section: NvidiaSettings | KunlunxinSettings | HygonSettings | AscendSettings = getattr(
+            self, vendor
+        )
+        return section.serve
 
     def check(self) -> None:
         from edl_agent.address import parse_host_port

@@ -1,0 +1,1 @@
+"""Dynamic Resource Allocation: ResourceSlices, the DRA kubelet plugin and CDI specs."""
