@@ -239,6 +239,29 @@ def test_vanished_device_node_turns_unhealthy_and_back(tmp_path: Path) -> None:
             watch.cancel()
 
 
+def test_a_device_a_dra_claim_holds_is_withheld_from_the_device_plugin(tmp_path: Path) -> None:
+    """Served both ways: kubelet's device-plugin side sees the claimed GPU (and nothing else) as
+    unavailable, Allocate refuses it naming the claim, and its health is untouched."""
+    with running_node(tmp_path, "dgx-h100") as node:
+        node.kubelet.wait_registered({"nvidia.com/gpu"})
+        ids = node.agent.state.snapshot().resources["nvidia.com/gpu"].device_ids
+        with node.kubelet.plugin("nvidia.com/gpu") as stub:
+            watch = Watch(stub)
+            watch.next()
+            node.agent.state.set_withheld({ids[2]})
+            update = watch.until(lambda u: _health(u, ids[2]) == "Unhealthy")
+            assert [d.ID for d in update.devices if d.health != "Healthy"] == [ids[2]]
+            with pytest.raises(grpc.RpcError) as caught:
+                node.allocate("nvidia.com/gpu", [ids[2]])
+            assert caught.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+            assert "DRA claim" in (caught.value.details() or "")
+            assert node.agent.state.snapshot().unhealthy_all == frozenset()
+            assert node.allocate("nvidia.com/gpu", [ids[3]])
+            node.agent.state.set_withheld(set())
+            watch.until(lambda u: _health(u, ids[2]) == "Healthy")
+            watch.cancel()
+
+
 def _health(update: api_pb2.ListAndWatchResponse, device_id: str) -> str:
     return next(d.health for d in update.devices if device_id == d.ID)
 

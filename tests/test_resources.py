@@ -163,3 +163,21 @@ def test_ascend_family(product: str, family: str | None) -> None:
 def test_unknown_ascend_chip_is_not_advertised() -> None:
     npu = Device(Vendor.ASCEND, "npu", 0, "npu-0", "unknown", 0)
     assert counts([npu]) == {}
+
+
+def npu(i: int) -> Device:
+    return Device(Vendor.ASCEND, "npu", i, f"NPU-{i}", "Ascend910B3", 65536)
+
+
+@pytest.mark.parametrize(
+    ("serve", "expected"),
+    [
+        ("device-plugin", {"nvidia.com/gpu": 2, "huawei.com/Ascend910": 1}),
+        ("both", {"nvidia.com/gpu": 2, "huawei.com/Ascend910": 1}),
+        ("dra", {"huawei.com/Ascend910": 1}),
+    ],
+)
+def test_a_vendor_served_only_through_dra_advertises_nothing_to_the_device_plugin(
+    serve: str, expected: dict[str, int]
+) -> None:
+    assert counts([gpu(0), gpu(1), npu(0)], nvidia={"serve": serve}) == expected

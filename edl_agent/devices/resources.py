@@ -1,6 +1,7 @@
-"""What a node advertises to kubelet: whole devices per vendor, MIG devices by strategy, vNPU
-templates, then shares (time-slicing replicas, memory units, core units). Pure: devices and
-settings in, resources out."""
+"""What a node advertises to kubelet's device-plugin API: whole devices per vendor, MIG devices by
+strategy, vNPU templates, then shares (time-slicing replicas, memory units, core units). Vendors
+served only through DRA (`serve: dra`) advertise nothing here. Pure: devices and settings in,
+resources out."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ VENDOR_WORDS = re.compile(
 
 def advertised_resources(devices: Sequence[Device], settings: Settings) -> tuple[Resource, ...]:
     """Every resource with its unit ids, sorted by name; unit ids keep device order."""
+    devices = [d for d in devices if settings.serve(d.vendor.value) != "dra"]
     units: dict[str, list[ResourceUnit]] = {}
     whole = _whole_device_resources(devices, settings)
     for name, members in whole.items():

@@ -76,7 +76,7 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
     ) -> api_pb2.PreferredAllocationResponse:
         snapshot = self._state.snapshot()
         units = snapshot.units.get(self.resource, {})
-        unhealthy = snapshot.unhealthy_all
+        unhealthy = snapshot.unavailable
         responses = []
         for request_one in request.container_requests:
             choice = preferred.preferred_allocation(
@@ -108,6 +108,7 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
         responses = []
         for container in request.container_requests:
             try:
+                _refuse_withheld(snapshot, units, container.devices_ids)
                 granted = allocation.allocate(
                     requested_ids=list(container.devices_ids),
                     units=units,
@@ -168,6 +169,23 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
                 device = snapshot.devices.get(device.parent) if device.parent else None
         paths = allocation.paths_to_check(devices, self._settings)
         return frozenset(path for path in paths if self._root.exists(path))
+
+
+def _refuse_withheld(
+    snapshot: Snapshot, units: Mapping[str, ResourceUnit], ids: Iterable[str]
+) -> None:
+    """A device that a prepared DRA claim holds is never handed out again by the device plugin
+    (kubelet was told it is unavailable; this closes the window before it listened)."""
+    held = [
+        unit_id
+        for unit_id in ids
+        if (unit := units.get(unit_id)) is not None
+        and unit.device_id in snapshot.unavailable - snapshot.unhealthy_all
+    ]
+    if held:
+        raise allocation.AllocationError(
+            "failed_precondition", f"held by a DRA claim: {', '.join(held)}"
+        )
 
 
 def plugin_options(settings: PluginSettings) -> api_pb2.DevicePluginOptions:

@@ -21,10 +21,15 @@ class Snapshot:
     # Derived once per change so that every RPC reads them without rebuilding.
     units: Mapping[str, Mapping[str, ResourceUnit]] = field(default_factory=dict)
     unhealthy_all: frozenset[str] = frozenset()
+    # Devices that prepared DRA claims hold (a vendor served both ways): the device plugin must
+    # not hand them out, so kubelet is told they are unavailable.
+    withheld: frozenset[str] = frozenset()
+    unavailable: frozenset[str] = frozenset()
 
     def unit_health(self, unit: ResourceUnit) -> Health:
-        """A unit is as healthy as its physical device, and a MIG device as its parent GPU."""
-        return Health.UNHEALTHY if self.is_unhealthy(unit.device_id) else Health.HEALTHY
+        """A unit is as healthy as its physical device, and a MIG device as its parent GPU; a
+        device a DRA claim holds reads Unhealthy to kubelet's device-plugin side."""
+        return Health.UNHEALTHY if unit.device_id in self.unavailable else Health.HEALTHY
 
     def is_unhealthy(self, device_id: str) -> bool:
         if device_id in self.unhealthy:
@@ -35,7 +40,9 @@ class Snapshot:
         return device.parent is not None and self.is_unhealthy(device.parent)
 
 
-def _snapshot(version: int, inventory: Inventory, unhealthy: frozenset[str]) -> Snapshot:
+def _snapshot(
+    version: int, inventory: Inventory, unhealthy: frozenset[str], withheld: frozenset[str]
+) -> Snapshot:
     partial = Snapshot(
         version=version,
         inventory=inventory,
@@ -44,16 +51,39 @@ def _snapshot(version: int, inventory: Inventory, unhealthy: frozenset[str]) -> 
         resources={r.name: r for r in inventory.resources},
         units={r.name: {u.id: u for u in r.units} for r in inventory.resources},
     )
-    return _with_unhealthy(partial, version, unhealthy)
+    return _with_unhealthy(partial, version, unhealthy, withheld)
 
 
-def _with_unhealthy(snapshot: Snapshot, version: int, unhealthy: frozenset[str]) -> Snapshot:
-    """`snapshot` with another unhealthy set: the maps derived from the inventory are kept (a
-    health change on the hot path must not rebuild thousands of share units)."""
-    partial = dataclasses.replace(snapshot, version=version, unhealthy=unhealthy)
-    return dataclasses.replace(
-        partial, unhealthy_all=frozenset(d for d in partial.devices if partial.is_unhealthy(d))
+def _with_unhealthy(
+    snapshot: Snapshot,
+    version: int,
+    unhealthy: frozenset[str],
+    withheld: frozenset[str] | None = None,
+) -> Snapshot:
+    """`snapshot` with another unhealthy (or withheld) set: the maps derived from the inventory
+    are kept (a health change on the hot path must not rebuild thousands of share units)."""
+    held = snapshot.withheld if withheld is None else withheld
+    partial = dataclasses.replace(snapshot, version=version, unhealthy=unhealthy, withheld=held)
+    unhealthy_all = frozenset(d for d in partial.devices if partial.is_unhealthy(d))
+    parents = _parents(partial, held)
+    related = frozenset(
+        d.id
+        for d in partial.devices.values()
+        if d.id in held or d.parent in held or d.id in parents
     )
+    return dataclasses.replace(
+        partial, unhealthy_all=unhealthy_all, unavailable=unhealthy_all | related
+    )
+
+
+def _parents(snapshot: Snapshot, ids: frozenset[str]) -> set[str]:
+    """The GPUs whose MIG devices are among `ids`: a GPU with a claimed partition is not whole."""
+    parents = set()
+    for device_id in ids:
+        device = snapshot.devices.get(device_id)
+        if device is not None and device.parent is not None:
+            parents.add(device.parent)
+    return parents
 
 
 class DeviceState:
@@ -62,7 +92,7 @@ class DeviceState:
     def __init__(self, inventory: Inventory) -> None:
         self._changed = threading.Condition()
         self._closed = False
-        self._current = _snapshot(1, inventory, frozenset())
+        self._current = _snapshot(1, inventory, frozenset(), frozenset())
 
     def snapshot(self) -> Snapshot:
         with self._changed:
@@ -74,7 +104,9 @@ class DeviceState:
             current = self._current
             if inventory == current.inventory:
                 return False
-            self._publish(_snapshot(current.version + 1, inventory, current.unhealthy))
+            self._publish(
+                _snapshot(current.version + 1, inventory, current.unhealthy, current.withheld)
+            )
             return True
 
     def set_unhealthy(self, device_ids: Collection[str]) -> bool:
@@ -85,6 +117,18 @@ class DeviceState:
             if unhealthy == current.unhealthy:
                 return False
             self._publish(_with_unhealthy(current, current.version + 1, unhealthy))
+            return True
+
+    def set_withheld(self, device_ids: Collection[str]) -> bool:
+        """Replace the set of devices that DRA claims hold; True when it changed."""
+        with self._changed:
+            current = self._current
+            withheld = frozenset(device_ids)
+            if withheld == current.withheld:
+                return False
+            self._publish(
+                _with_unhealthy(current, current.version + 1, current.unhealthy, withheld)
+            )
             return True
 
     def wait_newer(
