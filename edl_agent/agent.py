@@ -37,6 +37,7 @@ from edl_agent.devices.carry import carry_forward
 from edl_agent.devices.discovery import discover_node
 from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.model import Vendor
+from edl_agent.dra.names import claimable
 from edl_agent.health.classify import classify_xid, what_clears
 from edl_agent.health.model import (
     ClearsBy,
@@ -70,11 +71,11 @@ from edl_agent.labels.condition import device_name
 from edl_agent.labels.cordon import RELEASE_DEVICES, Cordon
 from edl_agent.labels.events import NORMAL, WARNING, EventSpec
 from edl_agent.log_limit import LogLimiter
-from edl_agent.metrics.inputs import AgentCounts, HealthCounts
+from edl_agent.metrics.inputs import AgentCounts, HealthCounts, PodRef
 from edl_agent.metrics.podresources import PodResourcesClient
 from edl_agent.plugin.dirwatch import DirectoryWatch
 from edl_agent.plugin.manager import PluginManager
-from edl_agent.plugin.state import DeviceState
+from edl_agent.plugin.state import DeviceState, Snapshot
 from edl_agent.supervisor import Every, Supervisor, Watched
 
 if TYPE_CHECKING:
@@ -343,7 +344,7 @@ class Agent:
         from edl_agent.faults.model import Fault, FaultKind, PodRef
 
         snapshot = self.state.snapshot()
-        holders = self._pods.pod_devices(snapshot.units)
+        holders = self.pods_holding(snapshot)
         node = snapshot.inventory.node
         for device_id, condition in turned:
             held_by = holders.get(device_id, [])
@@ -370,6 +371,15 @@ class Agent:
                     detail=detail,
                 )
             )
+
+    def pods_holding(self, snapshot: Snapshot) -> dict[str, list[PodRef]]:
+        """Device id → the containers holding it, through the device plugin or a DRA claim."""
+        return self._pods.pod_devices(snapshot.units, self._claimable(snapshot))
+
+    def _claimable(self, snapshot: Snapshot) -> dict[tuple[str, str, str], str]:
+        return claimable(
+            snapshot.inventory, lambda vendor: self.settings.serve(vendor.value) != "device-plugin"
+        )
 
     def set_cordon(self, cordon: Cordon) -> None:
         """Devices cordoned by the node annotation are advertised Unhealthy until released."""
@@ -426,7 +436,7 @@ class Agent:
             telemetry=self._telemetry,
             health_counts=self._health_counts,
             agent_counts=self._agent_counts,
-            pods=lambda: self._pods.pod_devices(self.state.snapshot().units),
+            pods=lambda: self.pods_holding(self.state.snapshot()),
         )
         self.metrics = MetricsServer(
             self.settings.metrics_addr, build_registry(collector), ready=self.ready
@@ -765,7 +775,7 @@ class Agent:
         waiting = [d for d in devices if d.parent is None and d.id in waiting_ids]
         if not waiting:
             return None
-        holders = self._pods.pod_devices_known(snapshot.units)
+        holders = self._pods.pod_devices_known(snapshot.units, self._claimable(snapshot))
         if holders is None:
             self._log.info("no reset: kubelet's pod-resources API does not answer")
             return None

@@ -161,6 +161,43 @@ def test_replica_ids_resolve_to_their_physical_gpu(shared_state: DeviceState) ->
     }
 
 
+def test_attribution_names_the_pods_whose_dra_claims_hold_a_device() -> None:
+    """A claim's devices arrive as (driver, pool, device name); only ours, on our pool, count."""
+    claimable = {("gpu.nvidia.edl.io", "n1", "gpu-1"): "GPU-1"}
+
+    def claim(name: str, driver: str, pool: str, device: str) -> api_pb2.DynamicResource:
+        return api_pb2.DynamicResource(
+            claim_name=name,
+            claim_namespace="train",
+            claim_resources=[
+                api_pb2.ClaimResource(driver_name=driver, pool_name=pool, device_name=device)
+            ],
+        )
+
+    response = api_pb2.ListPodResourcesResponse(
+        pod_resources=[
+            api_pb2.PodResources(
+                namespace="train",
+                name="job-0",
+                containers=[
+                    api_pb2.ContainerResources(
+                        name="worker",
+                        dynamic_resources=[
+                            claim("gpus", "gpu.nvidia.edl.io", "n1", "gpu-1"),
+                            claim("other-pool", "gpu.nvidia.edl.io", "n2", "gpu-1"),
+                            claim("other-driver", "gpu.example.com", "n1", "gpu-1"),
+                        ],
+                    )
+                ],
+            )
+        ]
+    )
+    assert attribute(response, {}, claimable) == {
+        "GPU-1": [PodRef("train", "job-0", "worker", "claim:train/gpus")]
+    }
+    assert attribute(response, {}) == {}
+
+
 def test_pod_devices_over_a_unix_socket(
     shared_state: DeviceState, standin: PodResourcesStandIn
 ) -> None:

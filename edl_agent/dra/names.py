@@ -15,9 +15,9 @@ kinds. Pure.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
-from edl_agent.devices.model import Device, Vendor
+from edl_agent.devices.model import Device, Inventory, Vendor
 
 DOMAIN = "edl.io"
 CLASSES: Mapping[Vendor, str] = {
@@ -76,3 +76,16 @@ def claim_cdi_name(claim_uid: str) -> str:
 
 def is_device_name(name: str) -> bool:
     return bool(_LABEL.match(name))
+
+
+def claimable(
+    inventory: Inventory, serves_dra: Callable[[Vendor], bool]
+) -> dict[tuple[str, str, str], str]:
+    """(driver, pool, device name) → device id for every device this node publishes through DRA:
+    what kubelet's pod-resources API names for a container's claims."""
+    names = device_names(inventory.devices)
+    return {
+        (driver_name(device.vendor), inventory.node, names[device.id]): device.id
+        for device in inventory.devices
+        if device.id in names and serves_dra(device.vendor)
+    }

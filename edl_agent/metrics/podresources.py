@@ -25,16 +25,31 @@ DEFAULT_TIMEOUT_SECONDS = 1.0
 
 Units = Mapping[str, Mapping[str, ResourceUnit]]
 """Resource name → advertised unit id → unit, as in `Snapshot.units`."""
+Claimable = Mapping[tuple[str, str, str], str]
+"""(DRA driver, pool, device name) → physical device id, for the devices we publish in
+ResourceSlices (`dra.names.claimable`)."""
 
 
-def attribute(response: api_pb2.ListPodResourcesResponse, units: Units) -> dict[str, list[PodRef]]:
-    """Physical device id → the containers holding it (sorted, each once), from a List answer.
+def attribute(
+    response: api_pb2.ListPodResourcesResponse, units: Units, claimable: Claimable | None = None
+) -> dict[str, list[PodRef]]:
+    """Physical device id → the containers holding it (sorted, each once), from a List answer:
+    device-plugin ids through `units`, DRA claims through `claimable` (the ref's resource is
+    then `claim:<namespace>/<claim>`).
 
     Ids of resources we do not advertise, and ids we no longer advertise, are left out.
     """
     holders: dict[str, set[PodRef]] = {}
     for pod in response.pod_resources:
         for container in pod.containers:
+            for dynamic in container.dynamic_resources if claimable else ():
+                claim = f"claim:{dynamic.claim_namespace}/{dynamic.claim_name}"
+                for resource in dynamic.claim_resources:
+                    key = (resource.driver_name, resource.pool_name, resource.device_name)
+                    device_id = claimable.get(key) if claimable else None
+                    if device_id is not None:
+                        ref = PodRef(pod.namespace, pod.name, container.name, claim)
+                        holders.setdefault(device_id, set()).add(ref)
             for assigned in container.devices:
                 resource_units = units.get(assigned.resource_name)
                 if resource_units is None:
@@ -72,11 +87,15 @@ class PodResourcesClient:
         self._problem: str | None = None
         self._log = structlog.get_logger().bind(socket=str(self.socket_path))
 
-    def pod_devices(self, units: Units) -> dict[str, list[PodRef]]:
+    def pod_devices(
+        self, units: Units, claimable: Claimable | None = None
+    ) -> dict[str, list[PodRef]]:
         """Physical device id → containers holding it; {} when kubelet cannot be asked."""
-        return self.pod_devices_known(units) or {}
+        return self.pod_devices_known(units, claimable) or {}
 
-    def pod_devices_known(self, units: Units) -> dict[str, list[PodRef]] | None:
+    def pod_devices_known(
+        self, units: Units, claimable: Claimable | None = None
+    ) -> dict[str, list[PodRef]] | None:
         """As `pod_devices`, but None when kubelet could not be asked: an action that must not
         touch a held device (a reset) cannot take "no answer" for "no pods"."""
         with self._lock:
@@ -92,7 +111,7 @@ class PodResourcesClient:
             if self._problem is not None:
                 self._log.info("pod-resources API answers again")
                 self._problem = None
-        return attribute(response, units)
+        return attribute(response, units, claimable)
 
     def close(self) -> None:
         with self._lock:
