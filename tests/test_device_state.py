@@ -31,3 +31,12 @@ def test_a_claimed_gpu_takes_its_partitions_and_health_still_counts() -> None:
     assert snapshot.unhealthy_all == {"GPU-1"}
     state.set_withheld(set())
     assert state.snapshot().unavailable == {"GPU-1"}
+
+
+def test_recent_device_plugin_handouts_are_remembered_until_they_age_out() -> None:
+    state = DeviceState(_inventory())
+    state.note_allocated({"GPU-0"}, now=100.0)
+    state.note_allocated({"GPU-1"}, now=130.0)
+    assert state.allocated_since(90.0) == {"GPU-0", "GPU-1"}
+    assert state.allocated_since(120.0) == {"GPU-1"}
+    assert state.allocated_since(90.0) == {"GPU-1"}  # the aged record is gone for good

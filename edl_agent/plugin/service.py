@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable, Iterator, Mapping
 
 import grpc
@@ -127,6 +128,9 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
                     "allocate refused", ids=list(container.devices_ids), error=str(exc)
                 )
                 context.abort(code, str(exc))
+            self._state.note_allocated(
+                {units[i].device_id for i in container.devices_ids}, time.monotonic()
+            )
             responses.append(to_response(granted))
             self._log.info("allocated", ids=list(container.devices_ids))
         return api_pb2.AllocateResponse(container_responses=responses)

@@ -93,6 +93,20 @@ class DeviceState:
         self._changed = threading.Condition()
         self._closed = False
         self._current = _snapshot(1, inventory, frozenset(), frozenset())
+        self._allocated: dict[str, float] = {}
+
+    def note_allocated(self, device_ids: Collection[str], now: float) -> None:
+        """The device plugin just handed these physical devices out (kubelet lists them on its
+        pod-resources API a moment later; until then this is the only record)."""
+        with self._changed:
+            for device_id in device_ids:
+                self._allocated[device_id] = now
+
+    def allocated_since(self, since: float) -> frozenset[str]:
+        """Devices the device plugin handed out at or after `since` (older records are dropped)."""
+        with self._changed:
+            self._allocated = {d: t for d, t in self._allocated.items() if t >= since}
+            return frozenset(self._allocated)
 
     def snapshot(self) -> Snapshot:
         with self._changed:
