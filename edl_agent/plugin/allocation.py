@@ -163,19 +163,18 @@ def allocate(
         (devices[i] for i in dict.fromkeys(u.device_id for u in granted)),
         key=lambda d: host_order(d, devices),
     )
-    envs: dict[str, str] = {}
+    names = visible_names(physical, devices, settings)
+    envs = visible_envs(names)
     nodes: list[DeviceNode] = []
     cdi: list[str] = []
-    for vendor in dict.fromkeys(d.vendor for d in physical):
-        members = [d for d in physical if d.vendor is vendor]
+    for vendor, vendor_names in names.items():
         spec = VENDOR_SPECS[vendor]
-        names = [_name(spec, d, i, devices, settings) for i, d in enumerate(members)]
-        envs[spec.visible_env] = ",".join(names)
         if _passes_device_specs(spec, settings):
-            nodes += _device_nodes(spec, members, existing_paths)
+            members = [d for d in physical if d.vendor is vendor]
+            nodes += _device_nodes(vendor, members, existing_paths)
         if spec.cdi_kind is not None and settings.nvidia_cdi:
-            cdi += [f"{spec.cdi_kind}={name}" for name in names]
-    envs.update(_share_envs(granted, [d.id for d in physical]))
+            cdi += [f"{spec.cdi_kind}={name}" for name in vendor_names]
+    envs.update(share_envs(granted, [d.id for d in physical]))
     return ContainerAllocation(
         envs=envs,
         devices=tuple(dict.fromkeys(nodes)),  # MIG devices of one GPU share its node
@@ -193,6 +192,35 @@ def host_order(device: Device, devices: Mapping[str, Device]) -> tuple[int, int,
     parent = devices.get(device.parent) if device.parent is not None else None
     major, minor = (parent.index, device.index) if parent is not None else (device.index, -1)
     return _VENDOR_ORDER.get(device.vendor, len(_VENDOR_ORDER)), major, minor, device.id
+
+
+def visible_names(
+    physical: Sequence[Device], devices: Mapping[str, Device], settings: PluginSettings
+) -> dict[Vendor, list[str]]:
+    """How each vendor's visible-devices variable names its devices among `physical` (given in
+    host order). Raises AllocationError for a MIG device named by index whose GPU is not in
+    `devices`."""
+    names: dict[Vendor, list[str]] = {}
+    for vendor in dict.fromkeys(d.vendor for d in physical):
+        members = [d for d in physical if d.vendor is vendor]
+        spec = VENDOR_SPECS[vendor]
+        names[vendor] = [_name(spec, d, i, devices, settings) for i, d in enumerate(members)]
+    return names
+
+
+def visible_envs(names: Mapping[Vendor, Sequence[str]]) -> dict[str, str]:
+    """The visible-devices variables for `visible_names`' result."""
+    return {VENDOR_SPECS[vendor].visible_env: ",".join(listed) for vendor, listed in names.items()}
+
+
+def own_device_nodes(device: Device) -> tuple[str, ...]:
+    """The device's nodes less the shared control nodes some vendors list with every device."""
+    shared = VENDOR_SPECS[device.vendor].control_nodes
+    return tuple(node for node in device.device_nodes if node not in shared)
+
+
+def present_control_nodes(vendor: Vendor, existing_paths: Collection[str]) -> list[str]:
+    return [node for node in VENDOR_SPECS[vendor].control_nodes if node in existing_paths]
 
 
 def _name(
@@ -219,11 +247,11 @@ def _name(
 
 
 def _device_nodes(
-    spec: VendorSpec, members: Sequence[Device], existing_paths: Collection[str]
+    vendor: Vendor, members: Sequence[Device], existing_paths: Collection[str]
 ) -> list[DeviceNode]:
-    paths = [node for node in spec.control_nodes if node in existing_paths]
+    paths = present_control_nodes(vendor, existing_paths)
     for device in members:
-        own = [node for node in device.device_nodes if node not in spec.control_nodes]
+        own = own_device_nodes(device)
         missing = [node for node in own if node not in existing_paths]
         if missing:
             # Passing a node that is gone makes the runtime fail the container with a far less
@@ -234,7 +262,9 @@ def _device_nodes(
     return [DeviceNode(path, path) for path in paths]
 
 
-def _share_envs(granted: Sequence[ResourceUnit], physical_ids: Sequence[str]) -> dict[str, str]:
+def share_envs(granted: Sequence[ResourceUnit], physical_ids: Sequence[str]) -> dict[str, str]:
+    """The share variables for the units granted; `physical_ids` in host order."""
+
     def of(kind: UnitKind) -> list[ResourceUnit]:
         return [u for u in granted if u.kind is kind]
 
