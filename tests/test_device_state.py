@@ -33,10 +33,20 @@ def test_a_claimed_gpu_takes_its_partitions_and_health_still_counts() -> None:
     assert state.snapshot().unavailable == {"GPU-1"}
 
 
-def test_recent_device_plugin_handouts_are_remembered_until_they_age_out() -> None:
+def test_a_device_goes_to_the_device_plugin_or_to_a_claim_never_both() -> None:
     state = DeviceState(_inventory())
-    state.note_allocated({"GPU-0"}, now=100.0)
-    state.note_allocated({"GPU-1"}, now=130.0)
-    assert state.allocated_since(90.0) == {"GPU-0", "GPU-1"}
-    assert state.allocated_since(120.0) == {"GPU-1"}
-    assert state.allocated_since(90.0) == {"GPU-1"}  # the aged record is gone for good
+    assert state.hand_out({"GPU-1"}, now=100.0) == frozenset()
+    # kubelet has not listed it on pod-resources yet: the hand-out itself is the record
+    assert state.reserve_for_claim("GPU-1", (), since=90.0) == "held by a device-plugin pod"
+    assert state.reserve_for_claim("MIG-0", {"GPU-0"}, since=90.0) == "held by a device-plugin pod"
+    assert state.reserve_for_claim("MIG-0", (), since=90.0) is None
+    assert state.snapshot().withheld == {"MIG-0"}
+    assert state.hand_out({"GPU-0"}, now=101.0) == {"GPU-0"}  # its partition is claimed
+    # a refused hand-out records nothing: the GPU can still go to a claim
+    assert state.reserve_for_claim("GPU-0", (), since=90.0) is None
+
+
+def test_a_hand_out_older_than_the_window_no_longer_blocks_a_claim() -> None:
+    state = DeviceState(_inventory())
+    state.hand_out({"GPU-1"}, now=100.0)
+    assert state.reserve_for_claim("GPU-1", (), since=160.0) is None

@@ -109,7 +109,6 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
         responses = []
         for container in request.container_requests:
             try:
-                _refuse_withheld(snapshot, units, container.devices_ids)
                 granted = allocation.allocate(
                     requested_ids=list(container.devices_ids),
                     units=units,
@@ -128,9 +127,15 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
                     "allocate refused", ids=list(container.devices_ids), error=str(exc)
                 )
                 context.abort(code, str(exc))
-            self._state.note_allocated(
+            held = self._state.hand_out(
                 {units[i].device_id for i in container.devices_ids}, time.monotonic()
             )
+            if held:
+                message = f"held by a DRA claim: {', '.join(sorted(held))}"
+                self._log.warning(
+                    "allocate refused", ids=list(container.devices_ids), error=message
+                )
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, message)
             responses.append(to_response(granted))
             self._log.info("allocated", ids=list(container.devices_ids))
         return api_pb2.AllocateResponse(container_responses=responses)
@@ -173,23 +178,6 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
                 device = snapshot.devices.get(device.parent) if device.parent else None
         paths = allocation.paths_to_check(devices, self._settings)
         return frozenset(path for path in paths if self._root.exists(path))
-
-
-def _refuse_withheld(
-    snapshot: Snapshot, units: Mapping[str, ResourceUnit], ids: Iterable[str]
-) -> None:
-    """A device that a prepared DRA claim holds is never handed out again by the device plugin
-    (kubelet was told it is unavailable; this closes the window before it listened)."""
-    held = [
-        unit_id
-        for unit_id in ids
-        if (unit := units.get(unit_id)) is not None
-        and unit.device_id in snapshot.unavailable - snapshot.unhealthy_all
-    ]
-    if held:
-        raise allocation.AllocationError(
-            "failed_precondition", f"held by a DRA claim: {', '.join(held)}"
-        )
 
 
 def plugin_options(settings: PluginSettings) -> api_pb2.DevicePluginOptions:

@@ -95,18 +95,42 @@ class DeviceState:
         self._current = _snapshot(1, inventory, frozenset(), frozenset())
         self._allocated: dict[str, float] = {}
 
-    def note_allocated(self, device_ids: Collection[str], now: float) -> None:
-        """The device plugin just handed these physical devices out (kubelet lists them on its
-        pod-resources API a moment later; until then this is the only record)."""
+    def hand_out(self, device_ids: Collection[str], now: float) -> frozenset[str]:
+        """The device plugin hands these physical devices out: recorded (kubelet lists them on
+        its pod-resources API only a moment later) unless a DRA claim holds one; returns those
+        held, and then records nothing. One lock with `reserve_for_claim`: never both."""
         with self._changed:
-            for device_id in device_ids:
-                self._allocated[device_id] = now
+            current = self._current
+            held = current.unavailable - current.unhealthy_all
+            refused = frozenset(d for d in device_ids if d in held)
+            if not refused:
+                for device_id in device_ids:
+                    self._allocated[device_id] = now
+            return refused
 
-    def allocated_since(self, since: float) -> frozenset[str]:
-        """Devices the device plugin handed out at or after `since` (older records are dropped)."""
+    def reserve_for_claim(
+        self, device_id: str, device_plugin_holds: Collection[str], since: float
+    ) -> str | None:
+        """A DRA claim takes `device_id` unless the device plugin holds it (or its GPU, or one of
+        its partitions): kubelet's pod-resources answer in `device_plugin_holds`, or a hand-out
+        at or after `since`. Reserved at once (withheld); returns why not otherwise."""
         with self._changed:
+            current = self._current
             self._allocated = {d: t for d, t in self._allocated.items() if t >= since}
-            return frozenset(self._allocated)
+            busy = set(device_plugin_holds) | set(self._allocated)
+            device = current.devices.get(device_id)
+            related = {device_id}
+            if device is not None and device.parent is not None:
+                related.add(device.parent)
+            related |= {d.id for d in current.devices.values() if d.parent == device_id}
+            if related & busy:
+                return "held by a device-plugin pod"
+            if device_id not in current.withheld:
+                withheld = current.withheld | {device_id}
+                self._publish(
+                    _with_unhealthy(current, current.version + 1, current.unhealthy, withheld)
+                )
+            return None
 
     def snapshot(self) -> Snapshot:
         with self._changed:
