@@ -230,6 +230,20 @@ class NodeApi(Protocol):
         opened: Callable[[Closable], None] | None = None,
     ) -> Iterator[tuple[str, dict[str, Any]]]: ...
 
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Mapping[str, Any] | None = None,
+        *,
+        query: Mapping[str, str] | None = None,
+        content_type: str | None = None,
+    ) -> dict[str, Any]:
+        """Any call with a JSON object in and out: `path` from the server's root
+        (`/apis/resource.k8s.io/v1/resourceslices`), `query` its parameters, `content_type` the
+        body's (JSON unless given). ApiError on a failure, with the HTTP status."""
+        ...
+
     def list_pods(self, field_selector: str) -> dict[str, Any]: ...
 
     def watch_pods(
@@ -357,6 +371,67 @@ class KubeApi:
             timeout_seconds=timeout_seconds,
             opened=opened,
         )
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Mapping[str, Any] | None = None,
+        *,
+        query: Mapping[str, str] | None = None,
+        content_type: str | None = None,
+    ) -> dict[str, Any]:
+        """Any call with a JSON object in and out (`NodeApi.request`), on the ApiClient's
+        connections and credentials."""
+        import urllib3
+        from kubernetes.client.exceptions import ApiException
+
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = content_type or "application/json"
+        try:
+            status, data = self._send(method, path, dict(body) if body is not None else None,
+                                      list((query or {}).items()), headers)  # fmt: skip
+        except ApiException as exc:
+            raise ApiError(exc.status or None, _message(exc)) from None
+        except (OSError, urllib3.exceptions.HTTPError) as exc:
+            raise ApiError(None, f"{type(exc).__name__}: {exc}") from None
+        try:
+            decoded = json.loads(data)
+        except ValueError:
+            decoded = None
+        if not 200 <= status <= 299:
+            message = decoded.get("message") if isinstance(decoded, dict) else None
+            raise ApiError(status, str(message or f"status {status}"))
+        if not isinstance(decoded, dict):
+            raise ApiError(status, "the response is not a JSON object")
+        return decoded
+
+    def _send(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None,
+        query: list[tuple[str, str]],
+        headers: dict[str, str],
+    ) -> tuple[int, bytes]:
+        """(status, body) of one request, through whichever request API this version of the
+        kubernetes package has: `param_serialize` (v34 on) or the older `call_api`."""
+        # Typed as Any: the two request APIs cannot both match the installed package's stubs.
+        api: Any = self.api
+        if hasattr(api, "param_serialize"):
+            serialized = api.param_serialize(
+                method, path, query_params=query, header_params=headers, body=body,
+                auth_settings=["BearerToken"],
+            )  # fmt: skip
+            response = api.call_api(*serialized, _request_timeout=REQUEST_TIMEOUT)
+            return int(response.status), bytes(response.read())
+        raw = api.call_api(
+            path, method, query_params=query, header_params=headers, body=body,
+            auth_settings=["BearerToken"], _preload_content=False,
+            _return_http_data_only=True, _request_timeout=REQUEST_TIMEOUT,
+        )  # fmt: skip
+        return int(raw.status), bytes(raw.data)
 
     def _call(self, method: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         return call_json(method, *args, **kwargs)

@@ -346,6 +346,20 @@ class RestKubeApi:
             "/api/v1/pods", field_selector, resource_version, timeout_seconds, opened
         )
 
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Mapping[str, Any] | None = None,
+        *,
+        query: Mapping[str, str] | None = None,
+        content_type: str | None = None,
+    ) -> dict[str, Any]:
+        """Any call with a JSON object in and out (`kube.NodeApi.request`)."""
+        if body is not None and content_type is None:
+            content_type = "application/json"
+        return self._json(method, path, body, content_type, query)
+
     def _json(
         self,
         method: str,

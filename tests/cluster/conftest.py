@@ -49,6 +49,7 @@ from kube_tools import (  # noqa: E402
     install_crds,
     kubectl_binary,
 )
+from scheduler import Process, ProcessError, start_scheduler  # noqa: E402
 
 _startup: dict[str, float] = {}
 
@@ -210,3 +211,19 @@ def cert_manager_crds(
     kubectl: Kubectl, k8s_api_client: client.ApiClient, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     install_crds(CERT_MANAGER_CRDS, kubectl, k8s_api_client, tmp_path_factory.mktemp("go-mod"))
+
+
+@pytest.fixture(scope="module")
+def kube_scheduler(
+    k8s_control_plane: testcluster.ControlPlane, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Process]:
+    """A real kube-scheduler (admin kubeconfig, no leader election) for one test module."""
+    try:
+        process = start_scheduler(
+            k8s_control_plane.kubeconfig, tmp_path_factory.mktemp("kube-scheduler"), timeout=90.0
+        )
+    except ProcessError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    yield process
+    process.stop()
+    assert not process.alive()

@@ -60,7 +60,7 @@ from kubelet_helpers import (
 )
 from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
-from scheduler import Process, ProcessError, free_port, spawn, start_scheduler, tail
+from scheduler import Process, free_port, spawn, tail
 from test_node_labels import install_manifest, sa_client
 from test_restarter import GROUP, PLURAL, VERSION, crd, restarter_rbac  # noqa: F401 - fixtures
 
@@ -202,24 +202,6 @@ def agent_tokens(k8s: KwokCluster, node: str) -> tuple[str, str]:
 
 
 # --- fixtures ---------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def kube_scheduler(
-    k8s_control_plane: testcluster.ControlPlane, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Process]:
-    """A real kube-scheduler (admin kubeconfig, no leader election) for this module only."""
-    try:
-        process = start_scheduler(
-            k8s_control_plane.kubeconfig,
-            tmp_path_factory.mktemp("kube-scheduler"),
-            timeout=STARTUP_TIMEOUT,
-        )
-    except ProcessError as exc:
-        pytest.fail(str(exc), pytrace=False)
-    yield process
-    process.stop()
-    assert not process.alive()
 
 
 @pytest.fixture

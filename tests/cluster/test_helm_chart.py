@@ -130,10 +130,9 @@ def test_the_rbac_rules_are_the_kustomizations() -> None:
         assert {
             key(doc): (doc["roleRef"], doc["subjects"]) for doc in chart if doc["kind"] == kind
         } == bindings
-    policies = [
-        find(docs, "ValidatingAdmissionPolicy", "edl-agent-own-node") for docs in (chart, kustomize)
-    ]
-    assert cel_spaced(policies[0]["spec"]) == cel_spaced(policies[1]["spec"])
+    for name in ("edl-agent-own-node", "edl-agent-own-resourceslices"):
+        policies = [find(docs, "ValidatingAdmissionPolicy", name) for docs in (chart, kustomize)]
+        assert cel_spaced(policies[0]["spec"]) == cel_spaced(policies[1]["spec"]), name
 
 
 @pytest.mark.parametrize(
