@@ -82,6 +82,7 @@ if TYPE_CHECKING:
     # Imported where they start (start_faults, start_metrics, start_publisher): registration
     # with kubelet (serve_kubelet) comes first and needs none of the API client,
     # prometheus_client or fault reporting.
+    from edl_agent.dra.node import DraNode
     from edl_agent.faults.model import Fault
     from edl_agent.faults.outbox import Outbox
     from edl_agent.faults.pod_exits import PodExitWatcher
@@ -200,6 +201,7 @@ class Agent:
         self.outbox: Outbox | None = None
         self.sender: Sender | None = None
         self.pod_exits: PodExitWatcher | None = None
+        self.dra: DraNode | None = None
 
     def serve_kubelet(self) -> None:
         """Serve every resource and register it with kubelet now, before the rest starts: the
@@ -225,6 +227,7 @@ class Agent:
         finally:
             directory_watch.stop()
             self.stop.set()
+            self.state.wake()  # parts waiting on the device state check `stop`
             self.supervisor.join()
             self.close()
 
@@ -237,6 +240,8 @@ class Agent:
         if self.publisher is not None:
             self.publisher.stop()
         self.stop_faults()
+        if self.dra is not None:
+            self.dra.stop()
         self.state.close()
         self.plugins.close()
         self.stop_metrics()
@@ -258,6 +263,33 @@ class Agent:
         )
         self.publisher.start()
         self.supervisor.add(Watched("node-publisher", self.publisher), critical=False)
+
+    def start_dra(self, api: NodeApi | None) -> None:
+        """Serve the vendors whose `serve` is `dra` or `both` through DRA: kubelet plugins, CDI
+        specs and ResourceSlices (only logged when `api` is None). Raises OSError when the
+        plugin socket or the CDI directory cannot be made."""
+        from edl_agent.dra.node import DraNode, dra_vendors
+
+        if not dra_vendors(self.settings):
+            return
+        from edl_agent.dra.api import KubeDraApi
+
+        self.dra = DraNode(
+            self.settings,
+            self.state,
+            self.root,
+            api=KubeDraApi(api) if api is not None else None,
+            reasons=lambda: {d: c.reason for d, c in self.unhealthy().items()},
+            pods=self._pods,
+        )
+        self.dra.start()
+        self.supervisor.add(self.dra, critical=False)
+        self._log.info(
+            "serving through DRA",
+            drivers=sorted(self.dra.servers),
+            registry=self.settings.dra.plugins_registry_dir,
+            cdi_dir=self.settings.dra.cdi_dir,
+        )
 
     def start_faults(self, api: NodeApi | None) -> None:
         """Report faults: open the outbox and start its sender (when a restarter is configured)

@@ -18,6 +18,7 @@ import structlog
 from edl_agent import __version__, log
 from edl_agent.config import (
     ConfigError,
+    DraSettings,
     Settings,
     assignment,
     describe_settings,
@@ -283,6 +284,11 @@ def node_settings(args: argparse.Namespace) -> Iterator[Settings]:
         defaults["plugin"] = plugin_defaults
         defaults.setdefault("pod_resources_socket", f"{tmp}{POD_RESOURCES_SOCKET}")
         defaults["faults"] = {"state_dir": f"{tmp}{STATE_DIR}", **defaults.get("faults", {})}
+        defaults["dra"] = {
+            "plugins_registry_dir": f"{tmp}{DraSettings.plugins_registry_dir}",
+            "cdi_dir": f"{tmp}{DraSettings.cdi_dir}",
+            **defaults.get("dra", {}),
+        }
         settings = settings_from_args(args, defaults=defaults, host_root=tmp)
         structlog.get_logger().info("building simulated node", profile=profile.name, root=tmp)
         _build_tree(profile.name, Path(tmp))
@@ -369,7 +375,7 @@ def _check_credentials(settings: Settings, *, simulated: bool) -> None:
 
 
 def _start_the_rest(agent: Agent, settings: Settings, *, simulated: bool) -> None:
-    """Fault reporting, metrics and the node publisher; UsageError for unusable settings."""
+    """Fault reporting, metrics, the node publisher and DRA; UsageError for unusable settings."""
     from edl_agent.faults.outbox import OutboxError
     from edl_agent.kube import KubeConfigError, connect
 
@@ -388,6 +394,11 @@ def _start_the_rest(agent: Agent, settings: Settings, *, simulated: bool) -> Non
         msg = f"metrics_addr {settings.metrics_addr}: {exc.strerror or exc}"
         raise UsageError(msg) from None
     agent.start_publisher(api)
+    try:
+        agent.start_dra(api)
+    except OSError as exc:
+        msg = f"dra: {exc}"
+        raise UsageError(msg) from None
 
 
 def _config(args: argparse.Namespace) -> int:

@@ -296,7 +296,7 @@ def test_prepare_answers_our_devices_with_static_and_claim_cdi_ids(node: Node) -
             requests=("other",),
             pool=NODE,
             device="gpu-2",
-            cdi_ids=(f"{GPU_CDI}=gpu-2", claim_cdi_id("uid-1")),
+            cdi_ids=(f"{GPU_CDI}=gpu-2",),  # the claim spec is named once, with the first device
         ),
     )
     spec = json.loads(node.cdi.path("uid-1").read_text(encoding="utf-8"))

@@ -178,11 +178,14 @@ class Preparer:
                         requests=grant.request_names,
                         pool=self.pool,
                         device=grant.device_name,
-                        cdi_ids=(names.cdi_id(vendor, grant.device_name), claim_cdi_id),
+                        # Kubelet passes every device's ids on to the runtime: the claim's
+                        # own spec is named once, with the first device.
+                        cdi_ids=(names.cdi_id(vendor, grant.device_name),)
+                        + ((claim_cdi_id,) if i == 0 else ()),
                         share_id=grant.share_id,
                         consumed=grant.consumed_capacity,
                     )
-                    for vendor, grant in grants
+                    for i, (vendor, grant) in enumerate(grants)
                 ),
             )
             try:

@@ -46,6 +46,7 @@ from edl_agent import cli, log
 from edl_agent.config import FaultSettings, Settings
 from edl_agent.devices.discovery import node_name
 from edl_agent.devices.hostroot import HostRoot
+from edl_agent.dra.api import KubeDraApi
 from edl_agent.kube import ApiError, KubeApi
 from edl_agent.labels.ownership import OWNED_LABELS
 from edl_agent.restarter.events import reference
@@ -240,6 +241,12 @@ def test_the_manifests_agree_with_each_other_and_the_code(
     assert settings.faults.state_dir == mounts["state"]["mountPath"]
     assert volumes["state"]["hostPath"]["path"] == settings.faults.state_dir
     assert mounts["dev"]["mountPath"] == volumes["dev"]["hostPath"]["path"] == "/dev"
+    # DRA: kubelet's plugin watcher finds our sockets, the runtime reads our CDI specs.
+    for volume, directory in (
+        ("plugins-registry", settings.dra.plugins_registry_dir),
+        ("cdi", settings.dra.cdi_dir),
+    ):
+        assert mounts[volume]["mountPath"] == volumes[volume]["hostPath"]["path"] == directory
     # The token: projected for the restarter's audience, where faults.token_file reads it.
     assert settings.faults.token_file == FaultSettings().token_file
     (source,) = volumes["restarter-token"]["projected"]["sources"]
@@ -411,7 +418,27 @@ def test_the_agent_account_is_refused_what_the_agent_must_not_do(
         lambda status: status == FORBIDDEN,
     )
     assert "only change the node its pod runs on" in message_of(patch_other_node)
+    slices = KubeDraApi(KubeApi(agent))
+
+    def slice_of(on: str, driver: str = "gpu.nvidia.edl.io") -> dict[str, Any]:
+        spec = {"driver": driver, "nodeName": on, "pool": {"name": on, "generation": 1,
+                "resourceSliceCount": 1}, "devices": [{"name": "gpu-0"}]}  # fmt: skip
+        return {"metadata": {"name": f"{on}-probe"}, "spec": spec}
+
+    wait_for(
+        "the ResourceSlice policy to apply",
+        lambda: status_of(lambda: slices.create_resource_slice(slice_of(other))),
+        lambda status: status == FORBIDDEN,
+    )
+    assert "ResourceSlices of the node its pod runs on" in message_of(
+        lambda: slices.create_resource_slice(slice_of(other))
+    )
+    assert slices.create_resource_slice(slice_of(node))["spec"]["nodeName"] == node
+    assert slices.delete_resource_slice(f"{node}-probe")
     refused = {
+        "a ResourceSlice of a driver not its own": lambda: slices.create_resource_slice(
+            slice_of(node, "gpu.example.com")
+        ),
         "another node's labels": patch_other_node,
         "its node's spec": lambda: core.patch_node(
             node, {"spec": {"unschedulable": True}}, _content_type=MERGE
@@ -622,6 +649,11 @@ AGENT_GRANTS = [
     ("watch pods --all-namespaces", True),
     ("create events -n default", True),
     ("patch events -n default", True),
+    *(
+        (f"{verb} resourceslices.resource.k8s.io", True)
+        for verb in ("get", "list", "watch", "create", "update", "delete")
+    ),
+    ("get resourceclaims.resource.k8s.io -n default", True),
     ("list nodes", False),
     ("update nodes", False),
     ("delete nodes", False),
@@ -634,6 +666,11 @@ AGENT_GRANTS = [
     ("list secrets --all-namespaces", False),
     ("create tokenreviews.authentication.k8s.io", False),
     ("get leases.coordination.k8s.io -n edl-system", False),
+    ("patch resourceslices.resource.k8s.io", False),
+    ("deletecollection resourceslices.resource.k8s.io", False),
+    ("list resourceclaims.resource.k8s.io --all-namespaces", False),
+    ("update resourceclaims.resource.k8s.io --subresource=status -n default", False),
+    ("create deviceclasses.resource.k8s.io", False),
 ]
 RESTARTER_GRANTS = [
     *(
