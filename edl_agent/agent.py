@@ -270,7 +270,9 @@ class Agent:
         plugin socket or the CDI directory cannot be made."""
         from edl_agent.dra.node import DraNode, dra_vendors
 
-        if not dra_vendors(self.settings):
+        if not dra_vendors(self.settings) and not self.settings.plugin.cdi:
+            if api is not None:
+                self._remove_stale_slices(api)
             return
         from edl_agent.dra.api import KubeDraApi
 
@@ -290,6 +292,20 @@ class Agent:
             registry=self.settings.dra.plugins_registry_dir,
             cdi_dir=self.settings.dra.cdi_dir,
         )
+
+    def _remove_stale_slices(self, api: NodeApi) -> None:
+        """In the background: ResourceSlices of this node left by a configuration that served a
+        vendor through DRA are removed (one list call when there are none)."""
+        from edl_agent.dra.api import KubeDraApi
+        from edl_agent.dra.publisher import remove_stale_slices
+
+        node = self.state.snapshot().inventory.node
+        threading.Thread(
+            target=remove_stale_slices,
+            args=(KubeDraApi(api), node),
+            name="dra-cleanup",
+            daemon=True,
+        ).start()
 
     def start_faults(self, api: NodeApi | None) -> None:
         """Report faults: open the outbox and start its sender (when a restarter is configured)

@@ -165,6 +165,9 @@ class PluginSettings:
     """Also pass /dev/nvidia* nodes as DeviceSpecs (for runtimes without the NVIDIA hook)."""
     nvidia_cdi: bool = False
     """Also name CDI devices `nvidia.com/gpu=<id>` in Allocate responses."""
+    cdi: bool = False
+    """Also name our own CDI devices (`nvidia.edl.io/gpu=gpu-3`, `ascend.edl.io/npu=npu-0`) in
+    Allocate responses, for every vendor; their specs are written to `dra.cdi_dir`."""
     slice_placement: Literal["pack", "spread"] = "pack"
     """Preferred allocation of shares: pack onto few devices, or spread over many."""
     pre_start_required: bool = False

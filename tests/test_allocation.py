@@ -179,6 +179,12 @@ def test_vendor_conventions(
             [],
             ["nvidia.com/gpu=3", "nvidia.com/gpu=5"],
         ),
+        (
+            {"cdi": True},
+            "{gpu3},{gpu5}",
+            [],
+            ["nvidia.edl.io/gpu=gpu-3", "nvidia.edl.io/gpu=gpu-5"],
+        ),
     ],
 )
 def test_nvidia_settings(
@@ -218,6 +224,9 @@ def test_mig_devices(simulated: Callable[..., Node]) -> None:
     by_uuid = node.allocate([m.id for m in migs], plugin={"nvidia_cdi": True})
     assert by_uuid.envs["NVIDIA_VISIBLE_DEVICES"] == ",".join(m.id for m in migs)
     assert by_uuid.cdi_devices == tuple(f"nvidia.com/gpu={m.id}" for m in migs)
+    ours = node.allocate([migs[0].id], plugin={"cdi": True})
+    gi, ci = migs[0].attributes["gpu_instance_id"], migs[0].attributes["compute_instance_id"]
+    assert ours.cdi_devices == (f"nvidia.edl.io/gpu=gpu-0-mig-{gi}-{ci}",)
 
 
 @pytest.mark.parametrize(

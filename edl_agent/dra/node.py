@@ -11,7 +11,10 @@ and its ResourceSlices.
 - **Slices.** Published on every change of the device state and every `RESYNC_SECONDS`; devices
   the device plugin holds are tainted so the scheduler places no claim on them. API errors are
   retried with backoff.
-- **CDI.** The vendor specs are rewritten when the inventory changes.
+- **CDI.** The vendor specs are rewritten when the inventory changes (every vendor's with
+  `plugin.cdi`, whose Allocate answers name them).
+- **No vendor through DRA** (and an API server): slices a former configuration published for
+  this node are removed once.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from edl_agent.dra.api import DraApi
 from edl_agent.dra.checkpoint import PreparedClaims
 from edl_agent.dra.kubelet_plugin import DeviceHealthMap, DraPluginServer, socket_path
 from edl_agent.dra.prepare import ClaimRef, Grant, Preparer, PrepareResult
-from edl_agent.dra.publisher import SlicePublisher
+from edl_agent.dra.publisher import SlicePublisher, remove_stale_slices
 from edl_agent.dra.slices import desired_slices
 from edl_agent.metrics.podresources import PodResourcesClient
 from edl_agent.plugin.allocation import optional_control_nodes
@@ -313,7 +316,8 @@ class DraNode:
             return
         present = {path for path in optional_control_nodes() if self._root.exists(path)}
         devices = snapshot.inventory.devices
-        specs = {vendor: vendor_spec(vendor, devices, present) for vendor in self.vendors}
+        vendors = list(names.CLASSES) if self._settings.plugin.cdi else self.vendors
+        specs = {vendor: vendor_spec(vendor, devices, present) for vendor in vendors}
         try:
             written = self.cdi.sync_vendor_specs(specs)
         except OSError as exc:
@@ -324,6 +328,11 @@ class DraNode:
             self._log.info("CDI specs written", files=[str(p) for p in written])
 
     def _publish(self, snapshot: Snapshot, now: float) -> None:
+        if not self.vendors:  # CDI specs only (plugin.cdi)
+            self._publish_due = float("inf")
+            if self._api is not None:
+                remove_stale_slices(self._api, self.node)
+            return
         reasons = self._reasons()
         unhealthy = {d: reasons.get(d, "unhealthy") for d in snapshot.unhealthy_all}
         desired = desired_slices(

@@ -288,3 +288,20 @@ class SlicePublisher:
 
 def _generation(item: Mapping[str, Any]) -> int:
     return int(((item.get("spec") or {}).get("pool") or {}).get("generation") or 0)
+
+
+def remove_stale_slices(api: DraApi, node: str) -> None:
+    """No vendor is served through DRA: remove the slices a former configuration published for
+    `node` (a cluster without the DRA API, or an agent without its RBAC, has none of ours)."""
+    log = structlog.get_logger().bind(part="dra", node=node)
+    try:
+        result = SlicePublisher(api, node).remove_all()
+    except ApiError as exc:
+        if exc.status not in {403, 404}:
+            log.warning("removing stale ResourceSlices failed", error=str(exc))
+        return
+    except Exception as exc:  # a connection failure: it is only a clean-up
+        log.warning("removing stale ResourceSlices failed", error=str(exc))
+        return
+    if result.deleted:
+        log.info("stale ResourceSlices removed", deleted=result.deleted)

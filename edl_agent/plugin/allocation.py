@@ -24,6 +24,7 @@ from typing import Literal
 
 from edl_agent.config import PluginSettings
 from edl_agent.devices.model import Device, ResourceUnit, UnitKind, Vendor
+from edl_agent.dra import names as dra_names
 
 ALLOCATED_ANNOTATION = "edl.io/allocated-devices"
 
@@ -174,6 +175,8 @@ def allocate(
             nodes += _device_nodes(vendor, members, existing_paths)
         if spec.cdi_kind is not None and settings.nvidia_cdi:
             cdi += [f"{spec.cdi_kind}={name}" for name in vendor_names]
+        if settings.cdi:
+            cdi += [_own_cdi_id(d, devices) for d in physical if d.vendor is vendor]
     envs.update(share_envs(granted, [d.id for d in physical]))
     return ContainerAllocation(
         envs=envs,
@@ -181,6 +184,12 @@ def allocate(
         annotations={ALLOCATED_ANNOTATION: ",".join(d.id for d in physical)},
         cdi_devices=tuple(cdi),
     )
+
+
+def _own_cdi_id(device: Device, devices: Mapping[str, Device]) -> str:
+    """The device's id in our static CDI spec of its vendor (edl_agent.cdi)."""
+    parent = devices.get(device.parent) if device.parent else None
+    return dra_names.cdi_id(device.vendor, dra_names.device_name(device, parent))
 
 
 def _is_unhealthy(device: Device, unhealthy: Collection[str]) -> bool:

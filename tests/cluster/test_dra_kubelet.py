@@ -537,3 +537,31 @@ def test_served_both_ways_no_gpu_goes_to_a_device_plugin_pod_and_a_claim(
         alive=agent.process,
     )
     assert pod.status.reason in {"UnexpectedAdmissionError", "OutOfnvidia.com/gpu"}, pod.status
+
+
+def test_a_vendor_switched_back_to_the_device_plugin_leaves_no_slices(
+    kubelet_nodes: StartNode,
+    dra_agents: StartAgent,
+    custom: client.CustomObjectsApi,
+    k8s: KwokCluster,
+) -> None:
+    node = kubelet_nodes()
+    first = dra_agents(node, "dgx-h100", "nvidia.serve=dra")
+    wait_slices(custom, node.name, GPU_DRIVER, 8, first)
+    assert allocatable(k8s.core, node.name).get(GPU, 0) == 0
+    assert first.stop() == 0
+    second = dra_agents(node, "dgx-h100", "nvidia.serve=device-plugin", after=first)
+    wait_until(
+        f"{node.name}'s slices removed",
+        lambda: node_slices(custom, node.name, GPU_DRIVER),
+        lambda slices: slices == [],
+        timeout=STEP,
+        alive=second.process,
+    )
+    wait_until(
+        "allocatable nvidia.com/gpu: 8",
+        lambda: allocatable(k8s.core, node.name).get(GPU),
+        lambda count: count == 8,
+        timeout=STEP,
+        alive=second.process,
+    )
