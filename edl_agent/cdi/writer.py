@@ -24,6 +24,7 @@ from typing import Any
 from edl_agent.cdi.spec import check_claim_uid
 from edl_agent.devices.model import Vendor
 from edl_agent.dra import names
+from edl_agent.durable import fsync_directory
 
 PREFIX = f"{names.DOMAIN}-"
 CLAIM_PREFIX = f"{PREFIX}claim-"
@@ -101,7 +102,7 @@ class CdiWriter:
             except BaseException:
                 temporary.unlink(missing_ok=True)
                 raise
-            _fsync_directory(self.directory)
+            fsync_directory(self.directory)
         return True
 
     def _remove(self, path: Path) -> bool:
@@ -110,7 +111,7 @@ class CdiWriter:
                 path.unlink()
             except FileNotFoundError:
                 return False
-            _fsync_directory(self.directory)
+            fsync_directory(self.directory)
         return True
 
     def _remove_leftover_temporaries(self) -> None:
@@ -147,15 +148,6 @@ def _holds(path: Path, content: bytes) -> bool:
         return False
     except OSError as err:
         raise _naming(err, "cannot read CDI spec", path) from err
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Make a rename or removal in `directory` durable."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @contextlib.contextmanager

@@ -15,7 +15,6 @@ its own record of prepared claims, and a later unprepare of a claim we forgot st
 from __future__ import annotations
 
 import json
-import os
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -23,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+
+from edl_agent.durable import set_aside, write_atomically
 
 FORMAT = 1
 DIRECTORY = "dra"
@@ -92,7 +93,7 @@ class PreparedClaims:
 
     def _save(self, claims: dict[tuple[str, str], PreparedClaim]) -> None:
         text = json.dumps(_encode(claims.values()), indent=1, sort_keys=True) + "\n"
-        _write_atomically(self.path, text)
+        write_atomically(self.path, text)
         self._claims = claims
 
     def _load(self) -> dict[tuple[str, str], PreparedClaim]:
@@ -106,11 +107,7 @@ class PreparedClaims:
         try:
             claims = _decode(json.loads(text))
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
-            aside = self.path.with_name(FILE_NAME + ".corrupt")
-            try:
-                self.path.replace(aside)
-            except OSError:
-                aside = self.path
+            aside = set_aside(self.path)
             self._log.warning(
                 "prepared claims file corrupt; set aside, starting without it",
                 error=f"{type(exc).__name__}: {exc}"[:200],
@@ -119,21 +116,6 @@ class PreparedClaims:
             return {}
         self._log.info("prepared claims loaded", claims=len(claims))
         return claims
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(path.name + ".tmp")
-    with temporary.open("w", encoding="utf-8") as out:
-        out.write(text)
-        out.flush()
-        os.fsync(out.fileno())
-    temporary.replace(path)
-    directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
 
 
 def _encode(claims: Iterable[PreparedClaim]) -> dict[str, Any]:

@@ -34,6 +34,7 @@ import structlog
 from google.protobuf import json_format  # type: ignore[import-untyped]
 
 from edl_agent._proto.edl.fault.v1 import fault_pb2
+from edl_agent.durable import fsync_directory
 from edl_agent.faults.convert import InvalidFault, from_proto, to_proto
 from edl_agent.faults.model import Fault
 
@@ -192,7 +193,7 @@ class Outbox:
                 file.flush()
                 os.fsync(file.fileno())
             temp.rename(path)
-            _fsync_directory(self.directory)
+            fsync_directory(self.directory)
         except OSError as exc:
             self._counts["write_errors"] += 1
             log.error(
@@ -251,12 +252,3 @@ def _read(path: Path) -> Fault:
         raise InvalidFault(msg)
     message = json_format.Parse(data.decode("utf-8"), fault_pb2.Fault(), ignore_unknown_fields=True)
     return from_proto(message)
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Make a rename in `directory` durable (the new name lives in the directory's data)."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

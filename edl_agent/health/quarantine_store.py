@@ -14,7 +14,6 @@ Times are stored as wall-clock seconds and turned back into this process's monot
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from typing import Any
 
 import structlog
 
+from edl_agent.durable import set_aside, write_atomically
 from edl_agent.health.model import ClearsBy, Level
 from edl_agent.health.tracker import Condition
 
@@ -65,11 +65,7 @@ class QuarantineStore:
         try:
             loaded = self._decode(json.loads(text))
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
-            aside = self.path.with_name(FILE_NAME + ".corrupt")
-            try:
-                self.path.replace(aside)
-            except OSError:
-                aside = self.path
+            aside = set_aside(self.path)
             self._log.error(
                 "quarantine file corrupt; set aside, starting without it",
                 error=f"{type(exc).__name__}: {exc}"[:200],
@@ -84,18 +80,7 @@ class QuarantineStore:
         text = json.dumps(self._encode(quarantine), indent=1, sort_keys=True) + "\n"
         if text == self._written:
             return False
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = self.path.with_name(FILE_NAME + ".tmp")
-        with temporary.open("w", encoding="utf-8") as out:
-            out.write(text)
-            out.flush()
-            os.fsync(out.fileno())
-        temporary.replace(self.path)
-        directory = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
+        write_atomically(self.path, text)
         self._written = text
         return True
 
