@@ -10,11 +10,9 @@ kubelet calls a device's health Unknown when a report is older than that timeout
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent import futures
 from pathlib import Path
 from typing import Protocol
 
@@ -30,6 +28,7 @@ from edl_agent._proto.pluginregistration.v1 import api_pb2_grpc as registration_
 from edl_agent.dra.checkpoint import PreparedDevice
 from edl_agent.dra.prepare import ClaimRef, Preparer, PrepareResult
 from edl_agent.errors import shorten
+from edl_agent.unix_server import UnixSocketServer
 
 PLUGIN_TYPE = "DRAPlugin"
 # "<proto package tail>.<service>" of the DRA services kubelet may choose from.
@@ -85,11 +84,9 @@ class DraPluginServer:
             pool=preparer.pool, source=health, timeout_seconds=timeout_seconds, clock=clock
         )
         self._lock = threading.Lock()
-        self._executor: futures.ThreadPoolExecutor | None = None
-        self._server: grpc.Server | None = None
-        # The socket file we bound, as (device, inode, ctime): an inode number alone is reused
-        # at once by the file that replaces ours.
-        self._identity: tuple[int, int, int] | None = None
+        self._socket = UnixSocketServer(
+            socket_path, workers=MAX_WORKERS, thread_prefix=f"dra-{driver}"
+        )
         self._log = structlog.get_logger().bind(part="dra-plugin", driver=driver)
 
     @property
@@ -100,45 +97,30 @@ class DraPluginServer:
 
     def start(self) -> None:
         """Bind and serve; returns once the socket accepts connections."""
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
         self.registered.clear()
         self._health.reopen()
-        self._executor = futures.ThreadPoolExecutor(
-            max_workers=MAX_WORKERS, thread_name_prefix=f"dra-{self.driver}"
-        )
-        self._server = grpc.server(self._executor)
+        self._socket.start(self._add_services)
+        self._log.info("serving", socket=str(self.path))
+
+    def _add_services(self, server: grpc.Server) -> None:
         registration_grpc.add_RegistrationServicer_to_server(  # type: ignore[no-untyped-call]
-            _Registration(self.driver, self._registration_status), self._server
+            _Registration(self.driver, self._registration_status), server
         )
         dra_grpc.add_DRAPluginServicer_to_server(  # type: ignore[no-untyped-call]
-            _DraPlugin(self._preparer), self._server
+            _DraPlugin(self._preparer), server
         )
         health_grpc.add_DRAResourceHealthServicer_to_server(  # type: ignore[no-untyped-call]
-            self._health, self._server
+            self._health, server
         )
-        self._server.add_insecure_port(f"unix://{self.path}")
-        self._server.start()
-        self._identity = _identity(self.path)
-        self._log.info("serving", socket=str(self.path))
 
     def serving(self) -> bool:
         """False when our socket file is gone or replaced (kubelet then forgets the plugin)."""
-        return self._server is not None and _identity(self.path) == self._identity
+        return self._socket.serving()
 
     def stop(self, grace: float = 0.5) -> None:
         """End the health streams, stop serving, release the threads and remove our socket."""
         self._health.close()
-        if self._server is not None:
-            self._server.stop(grace).wait()
-            self._server = None
-        if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
-            self._executor = None
-        with contextlib.suppress(FileNotFoundError):
-            if self._identity is not None and _identity(self.path) == self._identity:
-                self.path.unlink()
-        self._identity = None
+        self._socket.stop(grace)
         self.registered.clear()
 
     def _registration_status(self, registered: bool, error: str) -> None:
@@ -309,11 +291,3 @@ def _device(device: PreparedDevice) -> dra_pb2.Device:
     if device.share_id is not None:
         answer.share_id = device.share_id
     return answer
-
-
-def _identity(path: Path) -> tuple[int, int, int] | None:
-    try:
-        stat = path.stat()
-    except FileNotFoundError:
-        return None
-    return (stat.st_dev, stat.st_ino, stat.st_ctime_ns)

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import re
-from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -13,6 +11,7 @@ import grpc
 from edl_agent._proto.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from edl_agent.config import PluginSettings
 from edl_agent.plugin.service import DevicePluginService, plugin_options
+from edl_agent.unix_server import UnixSocketServer
 
 API_VERSION = "v1beta1"
 KUBELET_SOCKET = "kubelet.sock"
@@ -59,11 +58,9 @@ class PluginServer:
     def __init__(self, service: DevicePluginService, directory: Path) -> None:
         self.service = service
         self.path = socket_path(directory, service.resource)
-        self._executor: futures.ThreadPoolExecutor | None = None
-        self._server: grpc.Server | None = None
-        # The socket file we bound, as (device, inode, ctime): an inode number alone is reused
-        # at once by the file that replaces ours.
-        self._identity: tuple[int, int, int] | None = None
+        self._socket = UnixSocketServer(
+            self.path, workers=MAX_WORKERS, thread_prefix=f"plugin-{service.resource}"
+        )
 
     @property
     def resource(self) -> str:
@@ -71,42 +68,20 @@ class PluginServer:
 
     def start(self) -> None:
         """Bind and serve; returns once the socket accepts connections."""
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
-        self._executor = futures.ThreadPoolExecutor(
-            max_workers=MAX_WORKERS, thread_name_prefix=f"plugin-{self.resource}"
+        self._socket.start(
+            lambda server: api_pb2_grpc.add_DevicePluginServicer_to_server(  # type: ignore[no-untyped-call]
+                self.service, server
+            )
         )
-        self._server = grpc.server(self._executor)
-        api_pb2_grpc.add_DevicePluginServicer_to_server(self.service, self._server)  # type: ignore[no-untyped-call]
-        self._server.add_insecure_port(f"unix://{self.path}")
-        self._server.start()
-        self._identity = _identity(self.path)  # None: removed at once (kubelet cleaning up)
 
     def serving(self) -> bool:
         """False when our socket file is gone or replaced (kubelet removes them on restart)."""
-        return self._server is not None and _identity(self.path) == self._identity
+        return self._socket.serving()
 
     def stop(self, grace: float = 0.5) -> None:
         """Stop serving, end the watch streams, release the threads and remove our socket."""
         self.service.stop()
-        if self._server is not None:
-            self._server.stop(grace).wait()
-            self._server = None
-        if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
-            self._executor = None
-        with contextlib.suppress(FileNotFoundError):
-            if self._identity is not None and _identity(self.path) == self._identity:
-                self.path.unlink()
-        self._identity = None
-
-
-def _identity(path: Path) -> tuple[int, int, int] | None:
-    try:
-        stat = path.stat()
-    except FileNotFoundError:
-        return None
-    return (stat.st_dev, stat.st_ino, stat.st_ctime_ns)
+        self._socket.stop(grace)
 
 
 def register(
