@@ -538,6 +538,8 @@ class Agent:
             step_failures=dict(self.step_failures),
             remediations=self._remediation_counts(),
             parts={p.name: (p.up, p.restarts) for p in self.supervisor.statuses()},
+            dra_plugins=self.dra.plugin_counts() if self.dra is not None else {},
+            dra_publish_failures=self.dra.publish_failures if self.dra is not None else 0,
         )
 
     def _remediation_counts(self) -> dict[tuple[str, str], int]:

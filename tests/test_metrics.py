@@ -390,6 +390,8 @@ def test_telemetry_health_and_agent_figures(state: DeviceState) -> None:
         registration_failures=2,
         plugin_server_restarts=1,
         step_failures={"plugin_sync": 5},
+        dra_plugins={"gpu.nvidia.edl.io": (True, 2), "npu.ascend.edl.io": (False, 0)},
+        dra_publish_failures=4,
     )
     collector = EdlCollector(
         snapshot=state.snapshot,
@@ -432,6 +434,14 @@ def test_telemetry_health_and_agent_figures(state: DeviceState) -> None:
     assert found[("edl_plugin_server_restarts_total", frozenset())] == 1
     assert found[("edl_agent_step_failures_total", frozenset({("step", "plugin_sync")}))] == 5
     assert found[("edl_agent_info", frozenset({("version", "9.9.9")}))] == 1
+    gpu, npu = (
+        frozenset({("driver", "gpu.nvidia.edl.io")}),
+        frozenset({("driver", "npu.ascend.edl.io")}),
+    )
+    assert found[("edl_dra_plugin_registered", gpu)] == 1
+    assert found[("edl_dra_plugin_registered", npu)] == 0
+    assert found[("edl_dra_prepared_claims", gpu)] == 2
+    assert found[("edl_dra_slice_publish_failures_total", frozenset())] == 4
 
 
 def test_every_family_has_help_and_the_prefix(state: DeviceState) -> None:

@@ -206,6 +206,14 @@ class DraNode:
         if snapshot.version != self._published_version or now >= self._publish_due:
             self._publish(snapshot, now)
 
+    def plugin_counts(self) -> dict[str, tuple[bool, int]]:
+        """Driver → (kubelet accepted its plugin, claims prepared now), for the metrics."""
+        servers = dict(self.servers)  # a copy: the part's thread may change the map
+        return {
+            driver: (server.registered.is_set(), len(self.checkpoint.claims(driver)))
+            for driver, server in sorted(servers.items())
+        }
+
     def stop(self) -> None:
         for server in self.servers.values():
             server.stop()

@@ -316,6 +316,27 @@ class _Families:
             labels=("vendor", "result"),
         )
     )
+    dra_registered: GaugeMetricFamily = field(
+        default_factory=lambda: GaugeMetricFamily(
+            "edl_dra_plugin_registered",
+            "1 when kubelet accepted the DRA plugin of the driver, 0 while it has not.",
+            labels=("driver",),
+        )
+    )
+    dra_claims: GaugeMetricFamily = field(
+        default_factory=lambda: GaugeMetricFamily(
+            "edl_dra_prepared_claims",
+            "ResourceClaims prepared on this node for the driver (the checkpoint's count).",
+            labels=("driver",),
+        )
+    )
+    dra_publish_failures: CounterMetricFamily = field(
+        default_factory=lambda: CounterMetricFamily(
+            "edl_dra_slice_publish_failures",
+            "Failed attempts to publish this node's ResourceSlices (each is retried).",
+            labels=(),
+        )
+    )
     source_errors: CounterMetricFamily = field(
         default_factory=lambda: CounterMetricFamily(
             "edl_metrics_source_errors",
@@ -384,6 +405,11 @@ def _agent(families: _Families, counts: AgentCounts) -> None:
         families.part_restarts.add_metric([part], restarts)
     for (vendor, result), count in sorted(counts.remediations.items()):
         families.remediations.add_metric([vendor, result], count)
+    for driver, (registered, claims) in sorted(counts.dra_plugins.items()):
+        families.dra_registered.add_metric([driver], 1.0 if registered else 0.0)
+        families.dra_claims.add_metric([driver], claims)
+    if counts.dra_plugins:
+        families.dra_publish_failures.add_metric([], counts.dra_publish_failures)
 
 
 def _identity(snapshot: Snapshot | None, device_id: str) -> list[str]:

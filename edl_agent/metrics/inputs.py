@@ -52,3 +52,6 @@ class AgentCounts:
     """Supervised part → (running now, times it died and was started again)."""
     remediations: Mapping[tuple[str, str], int] = field(default_factory=dict)
     """(vendor, result) → resets by the agent; zeros for every result once remediation is on."""
+    dra_plugins: Mapping[str, tuple[bool, int]] = field(default_factory=dict)
+    """DRA driver → (kubelet accepted its plugin, claims prepared now)."""
+    dra_publish_failures: int = 0
