@@ -202,6 +202,9 @@ class Agent:
         self.sender: Sender | None = None
         self.pod_exits: PodExitWatcher | None = None
         self.dra: DraNode | None = None
+        # Device id → the condition of a device fault waiting for kubelet's pod-resources API.
+        self._pending_faults: dict[str, Condition] = {}
+        self._pending_lock = threading.Lock()
 
     def serve_kubelet(self) -> None:
         """Serve every resource and register it with kubelet now, before the rest starts: the
@@ -392,7 +395,18 @@ class Agent:
         from edl_agent.faults.model import Fault, FaultKind, PodRef
 
         snapshot = self.state.snapshot()
-        holders = self.pods_holding(snapshot)
+        holders = self._pods.pod_devices_known(snapshot.units, self._claimable(snapshot))
+        if holders is None:
+            # "No answer" is not "no pods": the faults wait for kubelet's answer (plugin round).
+            with self._pending_lock:
+                first = not self._pending_faults
+                self._pending_faults.update(turned)
+            if first:
+                self._log.warning(
+                    "kubelet's pod-resources API does not answer: device faults wait for it",
+                    devices=[device_id for device_id, _ in turned],
+                )
+            return
         node = snapshot.inventory.node
         for device_id, condition in turned:
             held_by = holders.get(device_id, [])
@@ -419,6 +433,12 @@ class Agent:
                     detail=detail,
                 )
             )
+
+    def _retry_device_faults(self) -> None:
+        with self._pending_lock:
+            pending, self._pending_faults = self._pending_faults, {}
+        if pending:
+            self._device_faults(list(pending.items()))
 
     def pods_holding(self, snapshot: Snapshot) -> dict[str, list[PodRef]]:
         """Device id → the containers holding it, through the device plugin or a DRA claim."""
@@ -621,6 +641,8 @@ class Agent:
         """The plugin part's round: device-node presence, quiet periods, kubelet's servers."""
         if self._presence.take(now):
             self._guarded("presence", lambda: self._check_presence(now))
+            if self._pending_faults:
+                self._guarded("device_faults", self._retry_device_faults)
         self._guarded("recovery", lambda: self._expire(now))
         self._guarded("plugins", self.plugins.sync)
 

@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from edl_agent.agent import Agent
@@ -164,3 +165,55 @@ def test_an_xid_on_a_held_gpu_is_a_fault_naming_the_pod(
     assert fault.reason == "XID79"
     assert fault.node == agent.state.snapshot().inventory.node
     assert "ml/trainer-x/main" in fault.detail
+
+
+def test_a_device_fault_waits_for_kubelets_pod_resources_answer_instead_of_being_dropped(
+    tmp_path: Path, pod_resources: PodResourcesStandIn
+) -> None:
+    """kubelet's pod-resources API failing when the XID comes is not "held by no pod": the fault
+    is reported, naming the pod, once kubelet answers again."""
+    profile = load_profile("dgx-h100")
+    tree = tmp_path / "node"
+    build_tree(profile, tree)
+    (tmp_path / "token").write_text("token")
+    settings = load_settings(
+        defaults=profile.config,
+        overrides={
+            "host_root": str(tree),
+            "metrics_addr": "",
+            "plugin": {"kubelet_dir": str(tmp_path / "kubelet"), "health_poll_seconds": 0.1},
+            "pod_resources_socket": str(pod_resources.socket),
+            "faults": {
+                "state_dir": str(tmp_path / "state"),
+                "restarter_address": f"127.0.0.1:{unused_port()}",
+                "token_file": str(tmp_path / "token"),
+            },
+        },
+    )
+    (tmp_path / "kubelet").mkdir()
+    agent = Agent(settings)
+    gpus = {d.index: d for d in agent.state.snapshot().inventory.devices}
+    pod_resources.assign({("ml", "trainer-y"): {"main": {"nvidia.com/gpu": [gpus[2].id]}}})
+    pod_resources.fail_with(grpc.StatusCode.UNAVAILABLE)
+    agent.start_faults(None)
+    thread = threading.Thread(target=agent.run, name="agent")
+    thread.start()
+    try:
+        assert agent.wait_ready(20)
+        outbox = agent.outbox
+        assert outbox is not None
+        wait_until("the NVML watcher", lambda: agent.nvml is not None and agent.nvml.ready)
+        inject_xid(tree, 2, 79)
+        wait_until("GPU 2 unhealthy", lambda: gpus[2].id in agent.unhealthy())
+        calls = pod_resources.calls
+        wait_until("asked again", lambda: pod_resources.calls > calls)
+        assert len(outbox) == 0
+        pod_resources.fail_with(None)
+        wait_until("the device fault", lambda: len(outbox) > 0)
+        [fault] = outbox.pending()
+        assert fault.pods == (PodRef("ml", "trainer-y"),)
+        assert fault.device_ids == (gpus[2].id,)
+    finally:
+        agent.stop.set()
+        thread.join(timeout=10)
+    assert not thread.is_alive()
