@@ -47,6 +47,7 @@ BENCHMARKS = [
     ("polled", "polled_bench.py"),
     ("metrics", "metrics_bench.py"),
     ("restarter", "restarter_bench.py"),
+    ("dra", "dra_bench.py"),
     ("nvidia_peer", "nvidia_peer.py"),
     ("node_peer", "node_peer.py"),
     ("kubelet_peer", "kubelet_peer.py"),
@@ -60,7 +61,10 @@ PEERS = {
 TIME_LIMIT_S = {"quick": 100.0, "full": 1800.0}
 # Not in quick mode, which stays under 2 minutes: two real kubelet nodes take about 35 s even for
 # one sample each (the cluster tests exercise the same nodes in CI).
-FULL_ONLY = {"kubelet_peer": "two real kubelet nodes: full mode only"}
+FULL_ONLY = {
+    "kubelet_peer": "two real kubelet nodes: full mode only",
+    "dra": "a real kubelet node and kube-scheduler: full mode only",
+}
 
 
 def log(message: str) -> None:

@@ -383,6 +383,11 @@ def _start_the_rest(agent: Agent, settings: Settings, *, simulated: bool) -> Non
         api = connect(settings.node.kubeconfig, ambient=not simulated)
     except KubeConfigError as exc:
         raise UsageError(str(exc)) from None
+    try:  # kubelet's other API first: claims can be prepared once slices and plugin are there
+        agent.start_dra(api)
+    except OSError as exc:
+        msg = f"dra: {exc}"
+        raise UsageError(msg) from None
     try:
         agent.start_faults(api)
     except (OutboxError, ValueError) as exc:
@@ -394,11 +399,6 @@ def _start_the_rest(agent: Agent, settings: Settings, *, simulated: bool) -> Non
         msg = f"metrics_addr {settings.metrics_addr}: {exc.strerror or exc}"
         raise UsageError(msg) from None
     agent.start_publisher(api)
-    try:
-        agent.start_dra(api)
-    except OSError as exc:
-        msg = f"dra: {exc}"
-        raise UsageError(msg) from None
 
 
 def _config(args: argparse.Namespace) -> int:
