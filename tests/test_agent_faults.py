@@ -62,6 +62,8 @@ def test_container_exits_from_pod_status() -> None:
                 status("flaky", 2, state={"running": {}}, lastState=terminated(1)),
                 status("fine", 0, state={"running": {}}),
             ],
+            # A `kubectl debug` shell that exited 137 is not the workload failing.
+            "ephemeralContainerStatuses": [status("debugger", 0, state=terminated(137))],
         },
     }
     faults = container_exits(pod, "node-a")

@@ -1,8 +1,8 @@
 """The agent's pod watcher: containers on this node that exited with a non-zero code, as faults.
 
 One thread lists the pods on the node (field selector `spec.nodeName=<node>`, every namespace)
-and then watches them from the list's resourceVersion. Every container — init containers too —
-whose `state.terminated` or `lastState.terminated` has a non-zero `exitCode` becomes a
+and then watches them from the list's resourceVersion. Every container — init containers too,
+ephemeral (debug) containers not — `state.terminated` or `lastState.terminated` has a non-zero `exitCode` becomes a
 CONTAINER_EXIT fault whose id comes from `ids.container_exit_id`, so the same exit seen again (in
 the next MODIFIED event, after a re-list, after an agent restart, or by the restarter's own
 watcher) carries the same id. Ids already handed on are remembered (the newest `REMEMBERED`) so
@@ -32,7 +32,9 @@ from edl_agent.kube_watch import WatchLoop
 
 REMEMBERED = 10_000
 MAX_DETAIL = 512
-STATUS_LISTS = ("initContainerStatuses", "containerStatuses", "ephemeralContainerStatuses")
+# Not ephemeral containers: a `kubectl debug` shell that exits non-zero says nothing about the
+# workload (the restarter's watcher does not count them either).
+STATUS_LISTS = ("initContainerStatuses", "containerStatuses")
 
 
 def parse_time(text: object) -> datetime | None:
