@@ -320,6 +320,10 @@ class SimulatedAgent:
                     "--log-format", "json",
                     "--set", f"pod_resources_socket={self.pod_resources.socket}",
                     "--set", "health.remediation.enabled=true",
+                    # Served both ways, so that the DRA panel has series too.
+                    "--set", "nvidia.serve=both",
+                    "--set", f"dra.plugins_registry_dir={self.directory / 'registry'}",
+                    "--set", f"dra.cdi_dir={self.directory / 'cdi'}",
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
