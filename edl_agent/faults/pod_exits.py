@@ -1,13 +1,13 @@
 """The agent's pod watcher: containers on this node that exited with a non-zero code, as faults.
 
 One thread lists the pods on the node (field selector `spec.nodeName=<node>`, every namespace)
-and then watches them from the list's resourceVersion. Every container — init containers too,
-ephemeral (debug) containers not — `state.terminated` or `lastState.terminated` has a non-zero `exitCode` becomes a
-CONTAINER_EXIT fault whose id comes from `ids.container_exit_id`, so the same exit seen again (in
-the next MODIFIED event, after a re-list, after an agent restart, or by the restarter's own
-watcher) carries the same id. Ids already handed on are remembered (the newest `REMEMBERED`) so
-that a pod's later status updates do not enqueue its exits again; after a restart the outbox and
-the restarter's intake answer them as duplicates.
+and then watches them from the list's resourceVersion. Every container (init containers too,
+ephemeral debug containers not) whose `state.terminated` or `lastState.terminated` has a
+non-zero `exitCode` becomes a CONTAINER_EXIT fault whose id comes from `ids.container_exit_id`,
+so the same exit seen again (in the next MODIFIED event, after a re-list, after an agent
+restart, or by the restarter's own watcher) carries the same id. Ids already handed on are
+remembered (the newest `REMEMBERED`) so that a pod's later status updates do not enqueue its
+exits again; after a restart the outbox and the restarter's intake answer them as duplicates.
 
 The watch is started again whenever the server ends it, from a fresh list after 410 Gone, and
 after a back-off (doubling up to `retry_max_seconds`) on any other failure; a failure is logged
