@@ -408,6 +408,7 @@ def test_an_npu_claim_on_a_mixed_node(
     )
     env = claim_env(agent.directory / "cdi", uid)
     assert env["ASCEND_VISIBLE_DEVICES"] == str(npus[name]["attributes"]["index"]["int"])
+    delete_pod_and_wait_unprepared(k8s, agent, agent.directory / "cdi", "npu-job", uid)
 
 
 def test_two_claims_share_one_cgpu_by_memory(
@@ -441,6 +442,8 @@ def test_two_claims_share_one_cgpu_by_memory(
         assert allocated(read_claim(custom, ns, f"share-{i}")) == ["gpu-3"]
         env = claim_env(agent.directory / "cdi", uids[i])
         assert env["EDL_SHARE_MEMORY_MIB"] == "16384"
+    for i in range(2):
+        delete_pod_and_wait_unprepared(k8s, agent, agent.directory / "cdi", f"share-{i}", uids[i])
 
 
 def test_prepared_claims_survive_an_agent_restart_and_kubelet_restarts_re_register(
