@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
+
+from kubernetes import client
 
 from edl_agent.faults.model import FaultKind, PodRef
 from edl_agent.restarter import cli
@@ -17,11 +19,12 @@ from edl_agent.restarter.actuator import (
 from edl_agent.restarter.watchers import (
     DELETED_BY_ANNOTATION,
     RESTARTER,
+    ClusterWatcher,
     container_exit_id,
     eviction_fault,
     exit_faults,
     force_delete_fault,
-    not_ready_since,
+    is_not_ready,
 )
 
 NOW = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
@@ -118,8 +121,52 @@ def test_force_deletion_eviction_and_node_readiness() -> None:
         }
         return {"status": {"conditions": [condition]}}
 
-    assert not_ready_since(node("True")) is None
-    assert not_ready_since(node("Unknown")) == datetime(2026, 5, 1, 11, tzinfo=UTC)
+    assert not is_not_ready(node("True"))
+    assert is_not_ready(node("Unknown"))
+    assert is_not_ready(node("False"))
+    assert not is_not_ready({"status": {}})
+
+
+def test_a_node_s_grace_runs_on_the_restarter_s_clock_and_a_fault_is_never_older_than_its_pod() -> (
+    None
+):
+    """KWOK dates Ready's last transition to the node's creation: a pod that landed on the node
+    later, when the node then goes NotReady, gets a fault dated no earlier than itself (else the
+    controller calls it stale and the pod stays on the dead node)."""
+    clock = [NOW]
+    faults: list[Any] = []
+    watcher = ClusterWatcher(
+        client.ApiClient(), on_fault=faults.append, node_grace=40.0, clock=lambda: clock[0]
+    )
+
+    def n1(status: str) -> dict[str, Any]:
+        ready = {"type": "Ready", "status": status, "lastTransitionTime": "2026-01-01T00:00:00Z"}
+        return {"metadata": {"name": "n1"}, "status": {"conditions": [ready]}}
+
+    ready, down = n1("True"), n1("False")
+    replacement = pod()
+    replacement["metadata"]["creationTimestamp"] = "2026-05-01T11:59:00Z"
+    watcher._nodes_listed([ready])
+    watcher._pods_listed(None, [replacement])
+    watcher._node_event("MODIFIED", down)  # seen NotReady at NOW
+    clock[0] = NOW + timedelta(seconds=39)
+    watcher.check_grace()
+    assert faults == []  # the grace counts from when the restarter saw it, not from January
+    watcher._nodes_listed([down])  # a re-list keeps that moment
+    clock[0] = NOW + timedelta(seconds=40)
+    watcher.check_grace()
+    [fault] = faults
+    assert fault.kind is FaultKind.NODE_NOT_READY
+    assert fault.pods == (PodRef("ns", "job-worker-3", "u1"),)
+    assert fault.observed_at == NOW
+    assert fault.id == f"notready/n1/{NOW.isoformat()}/u1"
+
+    late = pod()
+    late["metadata"] |= {"uid": "u2", "creationTimestamp": "2026-05-01T12:00:30Z"}
+    watcher._pod_event("ADDED", late)  # landed on the node after it went NotReady
+    watcher.check_grace()
+    assert faults[-1].pods[0].uid == "u2"
+    assert faults[-1].observed_at == datetime(2026, 5, 1, 12, 0, 30, tzinfo=UTC)
 
 
 def test_the_replacement_keeps_the_pod_and_drops_its_binding() -> None:
@@ -162,7 +209,13 @@ def test_the_replacement_keeps_the_pod_and_drops_its_binding() -> None:
     (term,) = third["spec"]["affinity"]["nodeAffinity"][
         "requiredDuringSchedulingIgnoredDuringExecution"
     ]["nodeSelectorTerms"]
-    assert term["matchFields"][0]["values"] == ["n2", "n3"]
+    # One value per requirement: the API server refuses a metadata.name field requirement
+    # with two.
+    assert term["matchFields"] == [
+        {"key": "metadata.name", "operator": "NotIn", "values": ["n2"]},
+        {"key": "metadata.name", "operator": "NotIn", "values": ["n3"]},
+    ]
+    assert replacement_pod(third, avoid_node="n3")["spec"]["affinity"] == third["spec"]["affinity"]
 
 
 def test_the_anti_affinity_is_added_to_every_existing_term() -> None:

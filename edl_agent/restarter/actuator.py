@@ -196,23 +196,21 @@ def replacement_pod(pod: Mapping[str, Any], *, avoid_node: str | None) -> dict[s
 
 
 def _avoid(spec: dict[str, Any], node: str) -> None:
-    """Add `metadata.name NotIn [node]` to every required node selector term (they are ORed)."""
+    """Add `metadata.name NotIn [node]` to every required node selector term (they are ORed).
+
+    The API server takes exactly one value in a `metadata.name` field requirement, so a pod that
+    avoids a second node gets a second requirement (the requirements of a term are ANDed)."""
     affinity = spec.setdefault("affinity", {})
     node_affinity = affinity.setdefault("nodeAffinity", {})
     required = node_affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
     terms = required.setdefault("nodeSelectorTerms", [])
     if not terms:
         terms.append({})
+    avoided = {"key": "metadata.name", "operator": "NotIn", "values": [node]}
     for term in terms:
         fields = term.setdefault("matchFields", [])
-        existing = next(
-            (f for f in fields if f.get("key") == "metadata.name" and f.get("operator") == "NotIn"),
-            None,
-        )
-        if existing is None:
-            fields.append({"key": "metadata.name", "operator": "NotIn", "values": [node]})
-        elif node not in existing.get("values", []):
-            existing["values"] = [*existing.get("values", []), node]
+        if avoided not in fields:
+            fields.append(dict(avoided))
 
 
 def _int(text: str | None) -> int:

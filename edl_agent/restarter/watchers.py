@@ -190,14 +190,17 @@ def force_delete_fault(pod: Mapping[str, Any], now: datetime) -> Fault | None:
     )
 
 
-def not_ready_since(node: Mapping[str, Any]) -> datetime | None:
-    """When the node's Ready condition turned False/Unknown; None while it is Ready."""
+def is_not_ready(node: Mapping[str, Any]) -> bool:
+    """The node's Ready condition is False or Unknown (a node without one is taken as Ready).
+
+    When it turned so is not read from the condition: `lastTransitionTime` is the node's own
+    clock, and KWOK, say, dates it to the node's creation, so a pod that landed on the node
+    after it would look older than its own fault. The grace runs on the restarter's clock from
+    when it first saw the node NotReady."""
     for cond in (node.get("status") or {}).get("conditions") or []:
         if cond.get("type") == "Ready":
-            if cond.get("status") == "True":
-                return None
-            return parse_k8s_time(cond.get("lastTransitionTime")) or datetime.now(UTC)
-    return None
+            return bool(cond.get("status") != "True")
+    return False
 
 
 class ClusterWatcher:
@@ -339,53 +342,61 @@ class ClusterWatcher:
     # --- nodes ---------------------------------------------------------------------------
 
     def _nodes_listed(self, items: list[dict[str, Any]]) -> None:
+        listed = {str((n.get("metadata") or {}).get("name", "")) for n in items}
         with self._lock:
-            self._not_ready.clear()
+            # A re-list keeps when a node still NotReady was first seen so: its grace goes on.
+            self._not_ready = {n: s for n, s in self._not_ready.items() if n in listed}
             self._nodes.clear()
         for node in items:
             self._node_event("ADDED", node)
 
     def _node_event(self, kind: str, node: dict[str, Any]) -> None:
         name = str((node.get("metadata") or {}).get("name", ""))
-        since = None if kind == "DELETED" else not_ready_since(node)
+        not_ready = kind != "DELETED" and is_not_ready(node)
         with self._lock:
             if kind == "DELETED":
                 self._nodes.discard(name)
             else:
                 self._nodes.add(name)
-            if since is None:
-                self._not_ready.pop(name, None)
+            if not_ready:
+                self._not_ready.setdefault(name, self._clock())
             else:
-                self._not_ready[name] = since
+                self._not_ready.pop(name, None)
 
     def _tick(self) -> None:
         while not self._stopping.wait(0.5):
-            now = self._clock()
-            with self._lock:
-                due = [
-                    (n, s)
-                    for n, s in self._not_ready.items()
-                    if (now - s).total_seconds() >= self._node_grace
-                ]
-            for node, since in due:
-                for pod in self.pods_on(node):
-                    if terminated_phase(pod) or deleted_by_us(pod):
+            self.check_grace()
+
+    def check_grace(self) -> None:
+        """Fault every pod on a node NotReady for longer than the grace (the ticker's round)."""
+        now = self._clock()
+        with self._lock:
+            due = [
+                (n, s)
+                for n, s in self._not_ready.items()
+                if (now - s).total_seconds() >= self._node_grace
+            ]
+        for node, since in due:
+            for pod in self.pods_on(node):
+                if terminated_phase(pod) or deleted_by_us(pod):
+                    continue
+                ref = pod_ref(pod)
+                with self._lock:
+                    if ref.uid in self._ignored:
                         continue
-                    ref = pod_ref(pod)
-                    with self._lock:
-                        if ref.uid in self._ignored:
-                            continue
-                    self._emit(
-                        Fault(
-                            id=f"notready/{node}/{since.isoformat()}/{ref.uid}",
-                            kind=FaultKind.NODE_NOT_READY,
-                            node=node,
-                            observed_at=since,
-                            pods=(ref,),
-                            detail=f"not Ready since {since.isoformat()}",
-                            source="restarter",
-                        )
+                # A fault about a pod is never older than the pod.
+                created = parse_k8s_time((pod.get("metadata") or {}).get("creationTimestamp"))
+                self._emit(
+                    Fault(
+                        id=f"notready/{node}/{since.isoformat()}/{ref.uid}",
+                        kind=FaultKind.NODE_NOT_READY,
+                        node=node,
+                        observed_at=max(since, created) if created else since,
+                        pods=(ref,),
+                        detail=f"not Ready since {since.isoformat()}",
+                        source="restarter",
                     )
+                )
 
     def _emit(self, fault: Fault) -> None:
         with self._lock:

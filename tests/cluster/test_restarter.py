@@ -282,6 +282,40 @@ def test_a_not_ready_node_gets_its_pod_force_deleted_and_replaced_elsewhere(
     assert pod_or_none(k8s, f"{name}-r2") is None  # our own deletion is no PodForceDeleted
 
 
+def test_a_replacement_on_a_node_that_then_goes_not_ready_is_replaced_again(
+    k8s: KwokCluster, make_policy: MakePolicy, objects: client.CustomObjectsApi
+) -> None:
+    """KWOK dates a node's Ready transition to its creation, before the replacement landed on
+    it: the second NotReady fault must still count (dated on the restarter's clock, never
+    before the pod), not be called stale."""
+    make_policy(restartPolicy="OnNodeFail")
+    first, second = (k8s.create_gpu_node().metadata.name for _ in range(2))
+    name = "gpt-worker-0"
+    k8s.create_pod(name, node=first, labels=labels("gpt", "worker", 0))
+    k8s.make_node_not_ready(first)
+    wait_pod(k8s, f"{name}-r1", timeout=15)
+    # Bound to the other node, as a scheduler would (the replacement avoids the first).
+    binding = client.V1Binding(
+        metadata=client.V1ObjectMeta(name=f"{name}-r1"),
+        target=client.V1ObjectReference(api_version="v1", kind="Node", name=second),
+    )
+    k8s.core.create_namespaced_binding(k8s.namespace, binding, _preload_content=False)
+    k8s.wait_pod_phase(f"{name}-r1", "Running", timeout=30)
+    k8s.make_node_not_ready(second)
+    replacement = wait_pod(k8s, f"{name}-r2", timeout=15)
+    terms = replacement.spec.affinity.node_affinity
+    avoided = [
+        value
+        for term in terms.required_during_scheduling_ignored_during_execution.node_selector_terms
+        for field in term.match_fields
+        for value in field.values
+    ]
+    assert second in avoided
+    job = wait_action(objects, k8s.namespace, "train", 2)
+    assert [a["fault"] for a in job["lastActions"][-2:]] == ["NodeNotReady", "NodeNotReady"]
+    assert job["restarts"] == 2
+
+
 def test_the_restart_limit_stops_the_third_restart(
     k8s: KwokCluster, make_policy: MakePolicy, objects: client.CustomObjectsApi
 ) -> None:
