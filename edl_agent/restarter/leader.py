@@ -178,12 +178,15 @@ def _fingerprint(obj: dict[str, Any] | None) -> tuple[object, ...] | None:
     return (spec.get("holderIdentity"), spec.get("renewTime"), spec.get("acquireTime"))
 
 
-def label_own_pod(api: client.ApiClient, namespace: str, name: str, *, leader: bool) -> None:
-    """Set (or remove) `LEADER_LABEL` on the restarter's own pod; logged, never raised: the
-    Service then misses the leader until the next try, the agents' outboxes keep the faults."""
+def label_own_pod(api: client.ApiClient, namespace: str, name: str, *, leader: bool) -> bool:
+    """Set (or remove) `LEADER_LABEL` on the restarter's own pod; True when done. A failure is
+    logged, never raised: the Service misses the leader until a later try, and the agents'
+    outboxes keep the faults meanwhile."""
     core: Any = client.CoreV1Api(api)
     patch = {"metadata": {"labels": {LEADER_LABEL: "true" if leader else None}}}
     try:
         call_json(core.patch_namespaced_pod, name, namespace, patch, _content_type=MERGE_PATCH)
     except ApiError as exc:
         log.warning("could not label the restarter's pod", pod=name, error=str(exc))
+        return False
+    return True

@@ -13,6 +13,7 @@ from typing import Any
 
 import structlog
 
+from edl_agent.backoff import Backoff
 from edl_agent.errors import UsageError
 from edl_agent.metrics.server import MetricsServer
 from edl_agent.restarter.auth import CachedReviewer, TokenReviewer
@@ -24,6 +25,9 @@ from edl_agent.restarter.metrics import RestarterMetrics
 from edl_agent.restarter.storm import StormGuard
 
 logger = structlog.get_logger(__name__)
+
+LABEL_RETRY_SECONDS = 0.5
+LABEL_RETRY_MAX_SECONDS = 30.0
 
 
 class Restarter:
@@ -70,6 +74,8 @@ class Restarter:
                 on_stopped=self._lost,
             )
         self.acting = threading.Event()
+        # Set once the leader's pod carries the label the intake Service selects on.
+        self.labelled = threading.Event()
         self.failed: str | None = None
 
     def _storm_object(self) -> dict[str, str] | None:
@@ -123,7 +129,7 @@ class Restarter:
     def _lead(self) -> None:
         self.metrics.leader.set(1)
         if self.elector is not None and all(self.pod):
-            label_own_pod(self.api, *self.pod, leader=True)
+            threading.Thread(target=self._label_as_leader, name="leader-label", daemon=True).start()
         self.controller.start()
         self.acting.set()
         if self.server is not None:
@@ -140,6 +146,23 @@ class Restarter:
             identity=self.identity,
         )
 
+    def _label_as_leader(self) -> None:
+        """Label our pod for the intake Service until that works: without the label agents
+        cannot reach this leader (their faults wait in their outboxes), and /readyz says so."""
+        backoff = Backoff(LABEL_RETRY_SECONDS, LABEL_RETRY_MAX_SECONDS)
+        while not self.stop.is_set():
+            try:
+                done = label_own_pod(self.api, *self.pod, leader=True)
+            except Exception as exc:  # no answer at all (a connection refused): try again
+                logger.warning("could not label the restarter's pod", error=str(exc))
+                done = False
+            if done:
+                self.labelled.set()
+                if backoff.failures:
+                    logger.info("restarter pod labelled for the intake", tries=backoff.failures + 1)
+                return
+            self.stop.wait(backoff.next_delay())
+
     def _lost(self) -> None:
         self.metrics.leader.set(0)
         self.exit_code = 1
@@ -152,4 +175,6 @@ class Restarter:
             return False, "starting"
         if not self.controller.recovered.is_set():
             return False, "listing pods, nodes and policies"
+        if self.elector is not None and all(self.pod) and not self.labelled.is_set():
+            return False, "leading, but its pod is not labelled for the intake Service yet"
         return True, f"acting ({self.identity})"

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ from test_restarter import (  # fixtures too: pytest finds them among the module
 
 from edl_agent.restarter.controller import Controller
 from edl_agent.restarter.events import EventWriter
+from edl_agent.restarter.leader import LEADER_LABEL
 from edl_agent.restarter.storm import StormGuard
 
 LEASE = "edl-restarter"
@@ -298,7 +300,14 @@ def free_port() -> int:
 
 
 class RestarterProcess:
-    def __init__(self, plane: testcluster.ControlPlane, namespace: str, identity: str, log: Path):
+    def __init__(
+        self,
+        plane: testcluster.ControlPlane,
+        namespace: str,
+        identity: str,
+        log: Path,
+        env: dict[str, str] | None = None,
+    ):
         self.identity = identity
         self.port = free_port()
         self.log = log
@@ -331,7 +340,19 @@ class RestarterProcess:
             "json",
         ]
         self._out = log.open("wb")
-        self.process = subprocess.Popen(argv, stdout=self._out, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(
+            argv, stdout=self._out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
+
+    def ready(self) -> tuple[int, str] | None:
+        """/readyz's status code and text (None while nothing answers)."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/readyz", timeout=2) as r:
+                return int(r.status), r.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+        except OSError:
+            return None
 
     def metric(self, name: str) -> float | None:
         try:
@@ -421,3 +442,42 @@ def test_two_restarters_elect_one_leader_and_the_standby_takes_over(
         for replica in replicas.values():
             text = replica.log.read_text(errors="replace")
             assert "Traceback" not in text, text[-3000:]
+
+
+def test_the_leader_labels_its_pod_once_it_exists_and_is_not_ready_until_then(
+    crd: Any, k8s: KwokCluster, k8s_control_plane: testcluster.ControlPlane, tmp_path: Path
+) -> None:
+    """Its pod appearing only after it began leading (two 404s) does not leave the intake
+    Service without an endpoint for the whole term: the label is tried again until it sticks."""
+    pod = "restarter-pod-late"
+    replica = RestarterProcess(
+        k8s_control_plane,
+        k8s.namespace,
+        "restarter-late",
+        tmp_path / "late.log",
+        env={"POD_NAMESPACE": k8s.namespace, "POD_NAME": pod},
+    )
+    try:
+        wait_for("a leader", lambda: holder(k8s), lambda h: h == "restarter-late", timeout=30)
+        waiting = wait_for(
+            "/readyz: leading, but not labelled",
+            replica.ready,
+            lambda answer: answer is not None and "not labelled" in answer[1],
+            timeout=30,
+        )
+        assert waiting[0] == 503
+        time.sleep(1.5)  # a few more failed tries
+        node = k8s.create_gpu_node().metadata.name
+        k8s.create_pod(pod, node=node)
+        wait_for(
+            "the leader label on its pod",
+            lambda: (k8s.read_pod(pod).metadata.labels or {}).get(LEADER_LABEL),
+            lambda value: value == "true",
+            timeout=40,
+        )
+        wait_for("/readyz 200", replica.ready, lambda a: a is not None and a[0] == 200, timeout=10)
+    finally:
+        assert replica.stop() == 0
+    text = replica.log.read_text(errors="replace")
+    assert "could not label the restarter's pod" in text
+    assert "Traceback" not in text, text[-3000:]
