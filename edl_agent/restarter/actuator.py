@@ -27,6 +27,8 @@ from edl_agent.kube import CONFLICT, NOT_FOUND, ApiError
 from edl_agent.kube import call_json as _call
 from edl_agent.restarter.watchers import DELETED_BY_ANNOTATION, RESTARTER
 
+UNPROCESSABLE = 422
+
 log = structlog.get_logger(__name__)
 
 GROUP, VERSION, PLURAL = "edl.io", "v1alpha1", "faulttolerancepolicies"
@@ -147,7 +149,11 @@ class Actuator:
         meta = pod["metadata"]
         namespace, name, uid = meta["namespace"], meta["name"], meta.get("uid", "")
         self._before_delete(uid)
-        patch = {"metadata": {"annotations": {DELETED_BY_ANNOTATION: RESTARTER}}}
+        # The uid makes the patch conditional: a pod that reuses the name (made after this one
+        # went) is never tagged, so its own faults are not hidden as ours.
+        patch: dict[str, Any] = {"metadata": {"annotations": {DELETED_BY_ANNOTATION: RESTARTER}}}
+        if uid:
+            patch["metadata"]["uid"] = uid
         try:
             _call(
                 self._core.patch_namespaced_pod,
@@ -162,8 +168,11 @@ class Actuator:
             )
             _call(self._core.delete_namespaced_pod, name, namespace, body=body)
         except ApiError as exc:
-            if exc.status not in (NOT_FOUND, CONFLICT):  # gone, or another pod by that name
+            # Gone, or another pod by that name: the delete's uid precondition answers 409, the
+            # patch's uid (immutable) 422.
+            if exc.status not in (NOT_FOUND, CONFLICT, UNPROCESSABLE):
                 raise
+            log.info("pod already gone or replaced; left alone", pod=f"{namespace}/{name}", uid=uid)
 
 
 def replacement_pod(pod: Mapping[str, Any], *, avoid_node: str | None) -> dict[str, Any]:

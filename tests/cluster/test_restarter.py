@@ -17,9 +17,10 @@ from k8s_test_helpers import POD_FAIL_EXIT_CODE, POD_FAIL_LABEL, KwokCluster, wa
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from edl_agent.restarter.actuator import RESTART_COUNT_ANNOTATION, RESTART_COUNT_ENV
+from edl_agent.restarter.actuator import RESTART_COUNT_ANNOTATION, RESTART_COUNT_ENV, Actuator
 from edl_agent.restarter.controller import Controller
 from edl_agent.restarter.status import LIMIT_EXCEEDED
+from edl_agent.restarter.watchers import DELETED_BY_ANNOTATION
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "daemonset"
 CRD = yaml.safe_load((DEPLOY / "crd-faulttolerancepolicy.yaml").read_text())
@@ -464,3 +465,23 @@ def test_a_policy_the_parser_refuses_gets_a_condition_and_restarts_nothing(
     exit_pod(k8s, "b-worker-0", 137)
     time.sleep(2)
     assert pod_or_none(k8s, "b-worker-0-r1") is None
+
+
+def test_a_pod_that_reuses_the_name_is_neither_tagged_nor_deleted(
+    k8s: KwokCluster, k8s_api_client: client.ApiClient
+) -> None:
+    """The restarter deletes the pod it decided about, by uid: one made again under that name
+    in between keeps running and carries no `deleted-by` tag that would hide its own faults."""
+    node = k8s.create_gpu_node().metadata.name
+    name = "reused-worker-0"
+    old = k8s.create_pod(name, node=node)
+    decided_about = k8s_api_client.sanitize_for_serialization(old)
+    k8s.core.delete_namespaced_pod(name, k8s.namespace, grace_period_seconds=0)
+    wait_for("the first pod gone", lambda: pod_or_none(k8s, name), lambda pod: pod is None, 15)
+    again = k8s.create_pod(name, node=node)
+    assert again.metadata.uid != old.metadata.uid
+    Actuator(k8s_api_client)._delete(decided_about, force=True)
+    current = k8s.read_pod(name)
+    assert current.metadata.uid == again.metadata.uid
+    assert current.metadata.deletion_timestamp is None
+    assert DELETED_BY_ANNOTATION not in (current.metadata.annotations or {})
