@@ -34,6 +34,7 @@ class Refusal(enum.StrEnum):
     WRONG_SERVICE_ACCOUNT = "wrong_service_account"  # authenticated, but not the agent
     WRONG_NODE = "wrong_node"  # a fault about a node other than the token's
     INVALID_FAULT = "invalid_fault"  # no id, kind, node or time
+    TOO_MANY_PODS = "too_many_pods"  # more pods than can hold one device
 
 
 @dataclass(frozen=True)

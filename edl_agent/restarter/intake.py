@@ -28,6 +28,7 @@ import structlog
 from edl_agent._proto.edl.fault.v1 import fault_pb2, fault_pb2_grpc
 from edl_agent.address import is_loopback
 from edl_agent.bounded import BoundedSet
+from edl_agent.config import MAX_SHARES_PER_DEVICE
 from edl_agent.faults.convert import InvalidFault, from_proto
 from edl_agent.faults.model import Fault
 from edl_agent.restarter.auth import (
@@ -42,6 +43,11 @@ from edl_agent.restarter.auth import (
 from edl_agent.restarter.server_tls import CertificateError, ReloadingCertificate
 
 log = structlog.get_logger(__name__)
+
+# A fault names the pods holding one device or one container's pod: at most as many as share one
+# device (time-slicing replicas). One report naming 100,000 pods would otherwise cost as many
+# API reads and hold up every other fault behind it.
+MAX_PODS_PER_FAULT = MAX_SHARES_PER_DEVICE
 
 CALL_STATUS = {
     Refusal.NO_TOKEN: grpc.StatusCode.UNAUTHENTICATED,
@@ -135,6 +141,10 @@ class FaultIntake(fault_pb2_grpc.FaultIntakeServicer):
         if refusal is not None:
             return self._refuse_fault(
                 fault.id, refusal, peer=peer, fault_node=fault.node, token_node=identity.node
+            )
+        if len(fault.pods) > MAX_PODS_PER_FAULT:
+            return self._refuse_fault(
+                fault.id, Refusal.TOO_MANY_PODS, peer=peer, pods=len(fault.pods)
             )
         with self._lock:
             if not self._seen.add(fault.id, refresh=True):
