@@ -22,13 +22,14 @@ Node-failure faults wait while the storm guard says too many nodes are failing a
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import queue
 import socket
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -108,6 +109,7 @@ class Controller:
         )
         self.actuator = Actuator(api, before_delete=self.watcher.ignore_uid)
         self._queue: queue.Queue[_Item] = queue.Queue()
+        self._busy = 0  # faults and tasks in hand (under _lock)
         self.metrics.queue_depth.set_function(self.queue_depth)
         self._stopping = threading.Event()
         self._lock = threading.Lock()
@@ -180,8 +182,11 @@ class Controller:
             return (namespace, name) in self._policies
 
     def queue_depth(self) -> int:
-        """Faults waiting for the dispatcher, and pods waiting for a decision."""
-        return self._queue.qsize() + sum(q.qsize() for q in self._tasks)
+        """Faults waiting for the dispatcher or being dispatched, and pods waiting for a decision
+        or being decided about (a fault in hand is work too: a slow one must show)."""
+        with self._lock:
+            busy = self._busy
+        return self._queue.qsize() + sum(q.qsize() for q in self._tasks) + busy
 
     def workers_alive(self) -> bool:
         return self._worker.is_alive() and all(w.is_alive() for w in self._workers)
@@ -309,10 +314,11 @@ class Controller:
                         continue
             if item.fault.kind is FaultKind.NODE_NOT_READY and self._hold_in_storm(item.fault):
                 continue
-            try:
-                self._handle(item.fault)
-            except Exception:
-                log.exception("handling a fault failed", fault_id=item.fault.id)
+            with self._working():
+                try:
+                    self._handle(item.fault)
+                except Exception:
+                    log.exception("handling a fault failed", fault_id=item.fault.id)
 
     # --- the storm guard -----------------------------------------------------------------
 
@@ -451,10 +457,21 @@ class Controller:
         while (task := tasks.get()) is not None:
             if self._stopping.is_set():
                 return
-            try:
-                self._decide_and_act(task.fault, task.pod, task.ref, task.policy)
-            except Exception:
-                log.exception("handling a fault failed", fault_id=task.fault.id)
+            with self._working():
+                try:
+                    self._decide_and_act(task.fault, task.pod, task.ref, task.policy)
+                except Exception:
+                    log.exception("handling a fault failed", fault_id=task.fault.id)
+
+    @contextlib.contextmanager
+    def _working(self) -> Iterator[None]:
+        with self._lock:
+            self._busy += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._busy -= 1
 
     def _decide_and_act(self, fault: Fault, pod: dict[str, Any], ref: PodRef, name: str) -> None:
         labels = (pod.get("metadata") or {}).get("labels") or {}

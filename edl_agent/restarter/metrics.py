@@ -5,7 +5,7 @@ edl_restarter_fault_to_replacement_seconds{fault} fault observed → replacement
 edl_restarter_replacement_errors_total            replacements the API refused
 edl_restarter_intake_faults_total{outcome}        reported faults: accepted, duplicate
 edl_restarter_intake_refusals_total{reason}       reports refused (token, account, node)
-edl_restarter_queue_depth                         faults waiting for a decision
+edl_restarter_queue_depth                         faults waiting for or in a decision
 edl_restarter_leader                              1 while this replica leads
 edl_restarter_storm_paused                        1 while the storm guard holds restarts
 edl_restarter_nodes_not_ready                     NotReady nodes the watch sees
@@ -53,7 +53,9 @@ class RestarterMetrics:
             registry=r,
         )
         self.queue_depth = Gauge(
-            "edl_restarter_queue_depth", "Faults waiting for a decision.", registry=r
+            "edl_restarter_queue_depth",
+            "Faults and pods waiting for a decision or being decided about.",
+            registry=r,
         )
         self.leader = Gauge(
             "edl_restarter_leader", "1 while this replica holds the leader Lease.", registry=r

@@ -6,6 +6,7 @@ created (and how: name, count, env, anti-affinity) and that the old pods go."""
 from __future__ import annotations
 
 import copy
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -485,3 +486,32 @@ def test_a_pod_that_reuses_the_name_is_neither_tagged_nor_deleted(
     assert current.metadata.uid == again.metadata.uid
     assert current.metadata.deletion_timestamp is None
     assert DELETED_BY_ANNOTATION not in (current.metadata.annotations or {})
+
+
+def test_a_fault_in_hand_counts_in_the_queue_depth(
+    k8s: KwokCluster,
+    make_policy: MakePolicy,
+    controller: Controller,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A slow decision is work waiting too: the depth does not read 0 while one is in hand."""
+    make_policy(faultTolerantPolicy=[{"restartPolicy": "ExitCode", "exitCodes": "137"}])
+    node = k8s.create_gpu_node().metadata.name
+    k8s.create_pod("slow-worker-0", node=node, labels=labels("slow", "worker", 0))
+    release = threading.Event()
+    in_hand = threading.Event()
+    decide = controller._decide_and_act
+
+    def slow(*args: Any) -> None:
+        in_hand.set()
+        release.wait(30)
+        decide(*args)
+
+    monkeypatch.setattr(controller, "_decide_and_act", slow)
+    assert controller.queue_depth() == 0
+    exit_pod(k8s, "slow-worker-0", 137)
+    assert in_hand.wait(15)
+    assert controller.queue_depth() == 1
+    release.set()
+    wait_pod(k8s, "slow-worker-0-r1", timeout=15)
+    wait_for("the depth back to 0", controller.queue_depth, lambda depth: depth == 0, 10)
