@@ -28,6 +28,7 @@ from edl_agent.bounded import BoundedSet
 from edl_agent.faults.ids import container_exit_id
 from edl_agent.faults.model import Fault, FaultKind, PodRef
 from edl_agent.kube import NodeApi
+from edl_agent.kube_time import parse_time
 from edl_agent.kube_watch import WatchLoop
 
 REMEMBERED = 10_000
@@ -35,17 +36,6 @@ MAX_DETAIL = 512
 # Not ephemeral containers: a `kubectl debug` shell that exits non-zero says nothing about the
 # workload (the restarter's watcher does not count them either).
 STATUS_LISTS = ("initContainerStatuses", "containerStatuses")
-
-
-def parse_time(text: object) -> datetime | None:
-    """An RFC 3339 time from the API (`2026-05-01T12:00:00Z`) as aware UTC; None if absent."""
-    if not isinstance(text, str) or not text:
-        return None
-    try:
-        parsed = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return parsed.astimezone(UTC) if parsed.tzinfo else parsed.replace(tzinfo=UTC)
 
 
 def container_exits(

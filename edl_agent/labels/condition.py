@@ -22,12 +22,13 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from edl_agent.devices.model import Device, Inventory, Vendor
 from edl_agent.health.model import ClearsBy, Level
 from edl_agent.health.tracker import Condition
+from edl_agent.kube_time import format_time
 from edl_agent.labels.cordon import RELEASE_DEVICES
 
 CONDITION_TYPE = "AcceleratorHealthy"
@@ -159,7 +160,7 @@ def node_condition(
     health: AcceleratorHealth, *, previous: Mapping[str, Any] | None, now: datetime
 ) -> dict[str, Any]:
     """The condition as the API takes it; `previous` is the node's current one (or None)."""
-    stamp = api_time(now)
+    stamp = format_time(now)
     unchanged = previous is not None and previous.get("status") == health.status
     transition = previous.get("lastTransitionTime") if previous and unchanged else None
     return {
@@ -176,9 +177,3 @@ def find_condition(node: Mapping[str, Any]) -> Mapping[str, Any] | None:
     """Our condition in a Node (as JSON), or None."""
     conditions = (node.get("status") or {}).get("conditions") or []
     return next((c for c in conditions if c.get("type") == CONDITION_TYPE), None)
-
-
-def api_time(now: datetime) -> str:
-    """RFC 3339 in UTC, whole seconds, as the API writes times (naive times are taken as UTC)."""
-    utc = now.astimezone(UTC) if now.tzinfo is not None else now
-    return utc.strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -17,7 +17,7 @@ import structlog
 
 from edl_agent.config import NodeSettings
 from edl_agent.kube import NOT_FOUND, ApiError, NodeApi
-from edl_agent.labels.condition import api_time
+from edl_agent.kube_time import format_time
 from edl_agent.labels.events import Action, EventGate, EventSpec
 
 COMPONENT = "edl-agent"
@@ -62,7 +62,7 @@ class EventRecorder:
         return tuple(sent)
 
     def _create(self, spec: EventSpec, now: datetime, node_uid: str | None) -> None:
-        stamp = api_time(now)
+        stamp = format_time(now)
         name = f"{self.node_name}.{time.time_ns():x}"
         involved: dict[str, Any] = {"apiVersion": "v1", "kind": "Node", "name": self.node_name}
         if node_uid:
@@ -88,7 +88,7 @@ class EventRecorder:
     ) -> None:
         try:
             self.api.patch_event(
-                self.namespace, name, {"count": count, "lastTimestamp": api_time(now)}
+                self.namespace, name, {"count": count, "lastTimestamp": format_time(now)}
             )
         except ApiError as exc:
             if exc.status != NOT_FOUND:

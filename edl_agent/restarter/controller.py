@@ -40,6 +40,7 @@ from kubernetes import client
 from edl_agent.bounded import BoundedSet
 from edl_agent.faults.model import Fault, FaultKind, PodRef
 from edl_agent.kube import ApiError
+from edl_agent.kube_time import format_micro_time
 from edl_agent.restarter.actuator import GROUP, PLURAL, VERSION, Actuator, Conflict
 from edl_agent.restarter.decide import Action, Decision, decide
 from edl_agent.restarter.events import EventWriter, reference
@@ -49,7 +50,6 @@ from edl_agent.restarter.spec import parse_policy
 from edl_agent.restarter.status import (
     PendingRestart,
     finish_restart,
-    format_time,
     pending_restarts,
     read_job,
     record_decision,
@@ -261,7 +261,7 @@ class Controller:
             "status": state,
             "reason": "Valid" if problem is None else "InvalidSpec",
             "message": message,
-            "lastTransitionTime": format_time(self._clock()),
+            "lastTransitionTime": format_micro_time(self._clock()),
         }
         status["conditions"] = [c for c in conditions if c.get("type") != SPEC_VALID] + [condition]
         try:

@@ -17,7 +17,7 @@ import structlog
 from kubernetes import client
 
 from edl_agent.kube import ApiError, call_json
-from edl_agent.labels.condition import api_time
+from edl_agent.kube_time import format_time
 from edl_agent.labels.events import TokenBucket
 
 log = structlog.get_logger(__name__)
@@ -72,7 +72,7 @@ class EventWriter:
             self.dropped += 1
             return
         namespace = involved.get("namespace") or "default"
-        stamp = api_time(datetime.now(UTC))
+        stamp = format_time(datetime.now(UTC))
         body = {
             "metadata": {
                 "name": f"{involved.get('name', 'restarter')}.{time.time_ns():x}",

@@ -18,8 +18,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
+
+from edl_agent.kube_time import format_micro_time, parse_time
 
 
 @dataclass(frozen=True)
@@ -43,8 +45,8 @@ def read_lease(obj: Mapping[str, Any] | None) -> LeaseRecord | None:
     return LeaseRecord(
         holder=str(spec.get("holderIdentity") or ""),
         duration_seconds=int(spec.get("leaseDurationSeconds") or 0),
-        acquired=_parse(spec.get("acquireTime")),
-        renewed=_parse(spec.get("renewTime")),
+        acquired=parse_time(spec.get("acquireTime")),
+        renewed=parse_time(spec.get("renewTime")),
         transitions=int(spec.get("leaseTransitions") or 0),
     )
 
@@ -57,9 +59,9 @@ def lease_spec(record: LeaseRecord) -> dict[str, Any]:
         "leaseTransitions": record.transitions,
     }
     if record.acquired is not None:
-        spec["acquireTime"] = _format(record.acquired)
+        spec["acquireTime"] = format_micro_time(record.acquired)
     if record.renewed is not None:
-        spec["renewTime"] = _format(record.renewed)
+        spec["renewTime"] = format_micro_time(record.renewed)
     return spec
 
 
@@ -92,17 +94,3 @@ def next_record(
 def released(record: LeaseRecord) -> LeaseRecord:
     """`record` given up by its holder, so that a standby takes it without waiting."""
     return dataclasses.replace(record, holder="", duration_seconds=1)
-
-
-def _format(moment: datetime) -> str:
-    # MicroTime: RFC 3339 with microseconds.
-    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def _parse(text: object) -> datetime | None:
-    if not text:
-        return None
-    try:
-        return datetime.fromisoformat(str(text).replace("Z", "+00:00")).astimezone(UTC)
-    except ValueError:
-        return None

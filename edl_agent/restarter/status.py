@@ -28,30 +28,31 @@ times, and whole seconds would make a fault look newer than the restart it cause
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from edl_agent.faults.model import FaultKind, PodRef
+from edl_agent.kube_time import format_micro_time
+from edl_agent.kube_time import parse_time as parse_api_time
 from edl_agent.restarter.decide import Action, Decision
 from edl_agent.restarter.policy import RestartScope
 from edl_agent.restarter.record import JobRecord, LastRestart, ReplicaCount
 
 LAST_ACTIONS = 10
 LIMIT_EXCEEDED = "RestartLimitExceeded"
-
-
-def format_time(moment: datetime) -> str:
-    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+_ZONED = re.compile(r"(Z|[+-]\d\d:\d\d)$")
 
 
 def parse_time(text: str) -> datetime:
-    moment = datetime.fromisoformat(text)
-    if moment.tzinfo is None:
-        msg = f"time {text!r} has no zone"
+    """A time in our own status records (always written with a zone); ValueError otherwise."""
+    moment = parse_api_time(text) if _ZONED.search(text) else None
+    if moment is None:
+        msg = f"time {text!r} is not an RFC 3339 time with a zone"
         raise ValueError(msg)
-    return moment.astimezone(UTC)
+    return moment
 
 
 def read_job(status: Mapping[str, Any] | None, job: str) -> JobRecord:
@@ -111,7 +112,7 @@ def record_decision(
     entry.update(_job_fields(decision.record))
     entry.pop("forgottenUntil", None)
     if decision.record.forgotten_until is not None:
-        entry["forgottenUntil"] = format_time(decision.record.forgotten_until)
+        entry["forgottenUntil"] = format_micro_time(decision.record.forgotten_until)
     entry["lastActions"] = _actions(entry.get("lastActions", []), decision, now)
     _set_condition(entry, decision, now)
     if decision.action is Action.RESTART and targets:
@@ -120,14 +121,14 @@ def record_decision(
                 "faultId": decision.fault.id,
                 "fault": str(decision.fault.kind),
                 "node": decision.fault.node,
-                "time": format_time(now),
+                "time": format_micro_time(now),
                 "pods": [{"name": t.name, "uid": t.uid} for t in targets],
             }
         )
     new["restarts"] = sum(int(j.get("restarts", 0)) for j in jobs)
     times = [j["lastRestartTime"] for j in jobs if j.get("lastRestartTime")]
     if times:
-        new["lastRestartTime"] = format_time(max(parse_time(t) for t in times))
+        new["lastRestartTime"] = format_micro_time(max(parse_time(t) for t in times))
     return new
 
 
@@ -193,7 +194,7 @@ def _job_fields(record: JobRecord) -> dict[str, Any]:
             {
                 "name": name,
                 "restarts": count.restarts,
-                "restartTimes": [format_time(t) for t in count.times],
+                "restartTimes": [format_micro_time(t) for t in count.times],
             }
             for name, count in sorted(record.replicas.items())
         ],
@@ -202,21 +203,21 @@ def _job_fields(record: JobRecord) -> dict[str, Any]:
                 "scope": str(last.scope),
                 "replicaType": last.replica_type,
                 "slot": last.slot,
-                "time": format_time(last.at),
+                "time": format_micro_time(last.at),
                 "consecutive": last.consecutive,
             }
             for last in record.last_restarts
         ],
     }
     if record.last_restart_time is not None:
-        fields["lastRestartTime"] = format_time(record.last_restart_time)
+        fields["lastRestartTime"] = format_micro_time(record.last_restart_time)
     return fields
 
 
 def _actions(old: list[dict[str, Any]], decision: Decision, now: datetime) -> list[dict[str, Any]]:
     pod = decision.pod.pod
     action: dict[str, Any] = {
-        "time": format_time(now),
+        "time": format_micro_time(now),
         "action": str(decision.action),
         "reason": decision.reason,
         "faultId": decision.fault.id,
@@ -230,7 +231,7 @@ def _actions(old: list[dict[str, Any]], decision: Decision, now: datetime) -> li
     if decision.scope is not None:
         action["scope"] = str(decision.scope)
     if decision.until is not None:
-        action["until"] = format_time(decision.until)
+        action["until"] = format_micro_time(decision.until)
     actions = list(old)
     same = ("faultId", "action", "replicaType", "slot")
     if actions and all(actions[-1].get(k) == action[k] for k in same):
@@ -255,7 +256,7 @@ def _set_condition(entry: dict[str, Any], decision: Decision, now: datetime) -> 
         "status": state,
         "reason": reason,
         "message": decision.reason,
-        "lastTransitionTime": format_time(now),
+        "lastTransitionTime": format_micro_time(now),
     }
     if old is not None and old.get("status") == state:
         condition["lastTransitionTime"] = old.get(

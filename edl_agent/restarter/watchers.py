@@ -33,6 +33,7 @@ from edl_agent.bounded import BoundedMap, BoundedSet
 from edl_agent.faults.ids import container_exit_id
 from edl_agent.faults.model import Fault, FaultKind, PodRef
 from edl_agent.kube import call_json, watch_events
+from edl_agent.kube_time import parse_time
 from edl_agent.kube_watch import WatchLoop
 
 log = structlog.get_logger(__name__)
@@ -45,15 +46,6 @@ KEEP_DELETED = 2048
 KEEP_IDS = 100_000
 
 Lister = Callable[..., Any]
-
-
-def parse_k8s_time(text: str | None) -> datetime | None:
-    if not text:
-        return None
-    try:
-        return datetime.fromisoformat(text.replace("Z", "+00:00")).astimezone(UTC)
-    except ValueError:
-        return None
 
 
 class ListWatch(WatchLoop):
@@ -138,7 +130,7 @@ def exit_faults(pod: Mapping[str, Any], now: datetime, *, last: bool = True) -> 
                     id=container_exit_id(ref.uid, str(cs.get("name")), count),
                     kind=FaultKind.CONTAINER_EXIT,
                     node=node,
-                    observed_at=parse_k8s_time(term.get("finishedAt")) or now,
+                    observed_at=parse_time(term.get("finishedAt")) or now,
                     pods=(ref,),
                     container=str(cs.get("name")),
                     exit_code=int(term["exitCode"]),
@@ -162,7 +154,7 @@ def eviction_fault(pod: Mapping[str, Any], now: datetime) -> Fault | None:
     if status.get("reason") != "Evicted" and disruption is None:
         return None
     ref = pod_ref(pod)
-    at = parse_k8s_time((disruption or {}).get("lastTransitionTime")) or now
+    at = parse_time((disruption or {}).get("lastTransitionTime")) or now
     return Fault(
         id=f"evicted/{ref.uid}",
         kind=FaultKind.POD_EVICTED,
@@ -385,7 +377,7 @@ class ClusterWatcher:
                     if ref.uid in self._ignored:
                         continue
                 # A fault about a pod is never older than the pod.
-                created = parse_k8s_time((pod.get("metadata") or {}).get("creationTimestamp"))
+                created = parse_time((pod.get("metadata") or {}).get("creationTimestamp"))
                 self._emit(
                     Fault(
                         id=f"notready/{node}/{since.isoformat()}/{ref.uid}",
