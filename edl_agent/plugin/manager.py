@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 import structlog
 
+from edl_agent.backoff import Backoff
 from edl_agent.config import PluginSettings
 from edl_agent.devices.hostroot import HostRoot
 from edl_agent.plugin.server import KUBELET_SOCKET, PluginServer, register
@@ -37,8 +38,9 @@ class Counters:
 @dataclass
 class _Registration:
     due: float = 0.0
-    delay: float = FIRST_RETRY_SECONDS
-    failures: int = 0
+    backoff: Backoff = field(
+        default_factory=lambda: Backoff(FIRST_RETRY_SECONDS, MAX_RETRY_SECONDS)
+    )
     done: bool = False
 
 
@@ -141,17 +143,16 @@ class PluginManager:
                     timeout=REGISTER_TIMEOUT_SECONDS,
                 )
             except grpc.RpcError as exc:
-                attempt.failures += 1
+                delay = attempt.backoff.next_delay()
                 self.counters.registration_failures += 1
                 self._log.warning(
                     "registration failed, will retry",
                     resource=resource,
                     error=_rpc_error(exc),
-                    attempt=attempt.failures,
-                    retry_in=attempt.delay,
+                    attempt=attempt.backoff.failures,
+                    retry_in=round(delay, 3),
                 )
-                attempt.due = now + attempt.delay
-                attempt.delay = min(attempt.delay * 2, MAX_RETRY_SECONDS)
+                attempt.due = now + delay
                 continue
             attempt.done = True
             self.counters.registrations += 1
@@ -163,6 +164,10 @@ class PluginManager:
         except FileNotFoundError:
             return None
         return (stat.st_ino, stat.st_ctime_ns)
+
+
+def _registration_backoff() -> Backoff:
+    return Backoff(FIRST_RETRY_SECONDS, MAX_RETRY_SECONDS)
 
 
 def _rpc_error(exc: grpc.RpcError) -> str:
