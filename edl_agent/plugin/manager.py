@@ -166,10 +166,6 @@ class PluginManager:
         return (stat.st_ino, stat.st_ctime_ns)
 
 
-def _registration_backoff() -> Backoff:
-    return Backoff(FIRST_RETRY_SECONDS, MAX_RETRY_SECONDS)
-
-
 def _rpc_error(exc: grpc.RpcError) -> str:
     code = exc.code() if hasattr(exc, "code") else None
     details = exc.details() if hasattr(exc, "details") else str(exc)
