@@ -43,7 +43,11 @@ def dra_node(tmp_path: Path, serve: str, **extra: Any) -> Iterator[Agent]:
             "host_root": str(tree),
             "metrics_addr": "",
             "nvidia": {"serve": serve},
-            "plugin": {"kubelet_dir": str(kubelet.directory), "health_poll_seconds": 0.1},
+            "plugin": {
+                "kubelet_dir": str(kubelet.directory),
+                "health_poll_seconds": 0.1,
+                **extra.pop("plugin", {}),
+            },
             "faults": {"state_dir": str(tmp_path / "state")},
             "dra": {
                 "plugins_registry_dir": str(tmp_path / "registry"),
@@ -144,3 +148,13 @@ def test_devices_the_device_plugin_holds_are_tainted_for_the_scheduler() -> None
     assert [t["key"] for t in devices[1]["taints"]] == ["x", DEVICE_PLUGIN_TAINT]
     assert tainted[DRIVER][1] == desired[DRIVER][1]
     assert desired[DRIVER][0]["devices"][1]["taints"] == [{"key": "x"}]  # not changed in place
+
+
+def test_with_plugin_cdi_only_the_specs_are_written_and_no_plugin_serves(tmp_path: Path) -> None:
+    with dra_node(tmp_path, "device-plugin", plugin={"cdi": True}) as agent:
+        assert agent.dra is not None
+        assert agent.dra.servers == {}
+        assert set(agent.state.snapshot().resources) == {"nvidia.com/gpu"}
+        spec = tmp_path / "cdi" / "edl.io-nvidia.json"
+        assert '"name": "gpu-7"' in spec.read_text()
+        assert not (tmp_path / "registry").exists()

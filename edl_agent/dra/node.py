@@ -336,9 +336,11 @@ class DraNode:
             self._log.info("CDI specs written", files=[str(p) for p in written])
 
     def _publish(self, snapshot: Snapshot, now: float) -> None:
-        if not self.vendors:  # CDI specs only (plugin.cdi)
+        if not self.vendors:  # CDI specs only (plugin.cdi): old slices are removed, once
+            first = self._publish_due != float("inf")
             self._publish_due = float("inf")
-            if self._api is not None:
+            self._published_version = snapshot.version
+            if first and self._api is not None:
                 remove_stale_slices(self._api, self.node)
             return
         reasons = self._reasons()
