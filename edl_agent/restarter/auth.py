@@ -35,6 +35,7 @@ class Refusal(enum.StrEnum):
     WRONG_NODE = "wrong_node"  # a fault about a node other than the token's
     INVALID_FAULT = "invalid_fault"  # no id, kind, node or time
     TOO_MANY_PODS = "too_many_pods"  # more pods than can hold one device
+    POD_ELSEWHERE = "pod_elsewhere"  # a named pod runs on another node (or is another pod)
 
 
 @dataclass(frozen=True)

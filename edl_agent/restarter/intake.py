@@ -30,7 +30,7 @@ from edl_agent.address import is_loopback
 from edl_agent.bounded import BoundedSet
 from edl_agent.config import MAX_SHARES_PER_DEVICE
 from edl_agent.faults.convert import InvalidFault, from_proto
-from edl_agent.faults.model import Fault
+from edl_agent.faults.model import Fault, PodRef
 from edl_agent.restarter.auth import (
     Identity,
     Refusal,
@@ -82,7 +82,10 @@ class FaultIntake(fault_pb2_grpc.FaultIntakeServicer):
         remember: int = 100_000,
         log_interval: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
+        find_pod: Callable[[PodRef], Mapping[str, Any] | None] | None = None,
     ) -> None:
+        """`find_pod` looks a named pod up in the restarter's pod cache (None: not known)."""
+        self._find_pod = find_pod
         self._review = review
         self._agent_user = agent_user
         self._on_fault = on_fault
@@ -146,6 +149,11 @@ class FaultIntake(fault_pb2_grpc.FaultIntakeServicer):
             return self._refuse_fault(
                 fault.id, Refusal.TOO_MANY_PODS, peer=peer, pods=len(fault.pods)
             )
+        elsewhere = self._pod_elsewhere(fault)
+        if elsewhere is not None:
+            return self._refuse_fault(
+                fault.id, Refusal.POD_ELSEWHERE, peer=peer, pod=elsewhere, token_node=fault.node
+            )
         with self._lock:
             if not self._seen.add(fault.id, refresh=True):
                 self._counts = dataclasses.replace(
@@ -164,6 +172,23 @@ class FaultIntake(fault_pb2_grpc.FaultIntakeServicer):
         with self._lock:
             self._counts = dataclasses.replace(self._counts, accepted=self._counts.accepted + 1)
         return fault_pb2.Ack(fault_id=fault.id, verdict=fault_pb2.VERDICT_ACCEPTED)
+
+    def _pod_elsewhere(self, fault: Fault) -> str | None:
+        """A pod the fault names that the pod cache shows on another node, or as another pod by
+        that name: an agent is believed only about its own node. A pod the cache does not know
+        is let through (the decision finds nothing to restart), so a cache a moment behind the
+        agent loses no fault."""
+        if self._find_pod is None:
+            return None
+        for ref in fault.pods:
+            pod = self._find_pod(ref)
+            if pod is None:
+                continue
+            node = (pod.get("spec") or {}).get("nodeName")
+            uid = (pod.get("metadata") or {}).get("uid")
+            if node != fault.node or (ref.uid and uid != ref.uid):
+                return f"{ref.namespace}/{ref.name}"
+        return None
 
     def _refuse_call(self, context: Any, refusal: Refusal, **details: object) -> NoReturn:
         with self._lock:

@@ -54,7 +54,10 @@ class Restarter:
         if args.listen:
             reviewer: Any = CachedReviewer(TokenReviewer(api, audiences=[args.audience]))
             intake = FaultIntake(
-                review=reviewer, agent_user=agent_user, on_fault=self.controller.submit
+                review=reviewer,
+                agent_user=agent_user,
+                on_fault=self.controller.submit,
+                find_pod=self.controller.watcher.find_pod,
             )
             self.metrics.watch_intake(intake.counts)
             self.server = IntakeServer(
