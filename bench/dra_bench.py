@@ -79,7 +79,14 @@ import k8sbinaries  # noqa: E402
 import testcluster  # noqa: E402
 import testnode  # noqa: E402
 from benchstats import percentile  # noqa: E402
-from kubelet_helpers import IMAGE, NodeAgent, logged_at, node_agent, spawn_discover  # noqa: E402
+from kubelet_helpers import (  # noqa: E402
+    NodeAgent,
+    claim_body,
+    claim_pod,
+    logged_at,
+    node_agent,
+    spawn_discover,
+)
 from scheduler import ProcessError, start_scheduler, tail  # noqa: E402
 
 from edl_agent.sim import inject  # noqa: E402
@@ -245,37 +252,6 @@ def publishable_devices(agent: NodeAgent) -> int:
     return sum(1 for d in found if d["vendor"] == "nvidia" and d["id"] not in parents)
 
 
-def claim_body(name: str) -> dict[str, Any]:
-    exactly = {"deviceClassName": DEVICE_CLASS, "count": 1}
-    return {
-        "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": "ResourceClaim",
-        "metadata": {"name": name},
-        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}},
-    }
-
-
-def claim_pod(name: str, claim: str) -> client.V1Pod:
-    """A pod the scheduler places, holding `claim` in its one container."""
-    return client.V1Pod(
-        metadata=client.V1ObjectMeta(name=name),
-        spec=client.V1PodSpec(
-            restart_policy="Never",
-            termination_grace_period_seconds=0,
-            resource_claims=[client.V1PodResourceClaim(name="gpu", resource_claim_name=claim)],
-            containers=[
-                client.V1Container(
-                    name="main",
-                    image=IMAGE,
-                    resources=client.V1ResourceRequirements(
-                        claims=[client.CoreV1ResourceClaim(name="gpu")]
-                    ),
-                )
-            ],
-        ),
-    )
-
-
 # --- the run ---------------------------------------------------------------------------------
 
 
@@ -428,10 +404,14 @@ class Bench:
         self.pause()
         began = time.time()
         created = self.custom.create_namespaced_custom_object(
-            GROUP, VERSION, NAMESPACE, "resourceclaims", claim_body(claim)
+            GROUP,
+            VERSION,
+            NAMESPACE,
+            "resourceclaims",
+            claim_body(claim, DEVICE_CLASS, request="gpu"),
         )
         uid = created["metadata"]["uid"]
-        self.core.create_namespaced_pod(NAMESPACE, claim_pod(pod, claim))
+        self.core.create_namespaced_pod(NAMESPACE, claim_pod(pod, claim, request="gpu"))
         allocated_at, _ = self.until(
             f"claim {claim} allocated",
             lambda: claims.first(lambda c: allocation(c.get(claim)) is not None, began),

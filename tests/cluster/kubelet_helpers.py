@@ -195,6 +195,51 @@ def gpu_pod(
     )
 
 
+def claim_body(
+    name: str,
+    device_class: str,
+    *,
+    count: int = 1,
+    selector: str | None = None,
+    capacity: dict[str, str] | None = None,
+    request: str = "devices",
+) -> dict[str, Any]:
+    """A ResourceClaim (resource.k8s.io/v1) asking `count` devices of `device_class` in one
+    request, narrowed by a CEL `selector` and a `capacity` share when given."""
+    exactly: dict[str, Any] = {"deviceClassName": device_class, "count": count}
+    if selector:
+        exactly["selectors"] = [{"cel": {"expression": selector}}]
+    if capacity:
+        exactly["capacity"] = {"requests": capacity}
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": name},
+        "spec": {"devices": {"requests": [{"name": request, "exactly": exactly}]}},
+    }
+
+
+def claim_pod(name: str, claim: str, *, request: str = "devices") -> client.V1Pod:
+    """A pod the scheduler places, holding `claim` in its one container."""
+    return client.V1Pod(
+        metadata=client.V1ObjectMeta(name=name),
+        spec=client.V1PodSpec(
+            restart_policy="Never",
+            termination_grace_period_seconds=0,
+            resource_claims=[client.V1PodResourceClaim(name=request, resource_claim_name=claim)],
+            containers=[
+                client.V1Container(
+                    name="main",
+                    image=IMAGE,
+                    resources=client.V1ResourceRequirements(
+                        claims=[client.CoreV1ResourceClaim(name=request)]
+                    ),
+                )
+            ],
+        ),
+    )
+
+
 def wait_phase(core: client.CoreV1Api, namespace: str, name: str, phase: str, **kw: Any) -> Any:
     return wait_until(
         f"{namespace}/{name} {phase}",

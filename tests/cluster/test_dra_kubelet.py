@@ -22,9 +22,10 @@ import testnode
 from k8s_test_helpers import KwokCluster
 from kube_tools import Kubectl
 from kubelet_helpers import (
-    IMAGE,
     NodeAgent,
     allocatable,
+    claim_body,
+    claim_pod,
     created_containers,
     gpu_pod,
     logged_at,
@@ -136,17 +137,7 @@ def make_claim(
     selector: str | None = None,
     capacity: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    exactly: dict[str, Any] = {"deviceClassName": device_class, "count": count}
-    if selector:
-        exactly["selectors"] = [{"cel": {"expression": selector}}]
-    if capacity:
-        exactly["capacity"] = {"requests": capacity}
-    body = {
-        "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": "ResourceClaim",
-        "metadata": {"name": name},
-        "spec": {"devices": {"requests": [{"name": "devices", "exactly": exactly}]}},
-    }
+    body = claim_body(name, device_class, count=count, selector=selector, capacity=capacity)
     created: dict[str, Any] = custom.create_namespaced_custom_object(
         GROUP, VERSION, namespace, "resourceclaims", body
     )
@@ -158,27 +149,6 @@ def read_claim(custom: client.CustomObjectsApi, namespace: str, name: str) -> di
         GROUP, VERSION, namespace, "resourceclaims", name
     )
     return found
-
-
-def claim_pod(name: str, claim: str) -> client.V1Pod:
-    """A pod the scheduler places, holding `claim` in its one container."""
-    return client.V1Pod(
-        metadata=client.V1ObjectMeta(name=name),
-        spec=client.V1PodSpec(
-            restart_policy="Never",
-            termination_grace_period_seconds=0,
-            resource_claims=[client.V1PodResourceClaim(name="devices", resource_claim_name=claim)],
-            containers=[
-                client.V1Container(
-                    name="main",
-                    image=IMAGE,
-                    resources=client.V1ResourceRequirements(
-                        claims=[client.CoreV1ResourceClaim(name="devices")]
-                    ),
-                )
-            ],
-        ),
-    )
 
 
 def allocated(claim: dict[str, Any]) -> list[str]:
