@@ -2,13 +2,21 @@
 
 The agent's state (the fault outbox, the quarantine, prepared DRA claims) and the CDI specs the
 container runtime reads are all written this way: a temporary file beside the target, fsync, a
-rename over the target, then fsync of the directory, where the new name lives.
+rename over the target, then fsync of the directory, where the new name lives. State files are
+read back one way too: a file that does not decode is set aside and the caller starts without it.
 """
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import structlog
+
+T = TypeVar("T")
 
 
 def fsync_directory(directory: Path) -> None:
@@ -42,3 +50,34 @@ def set_aside(path: Path) -> Path:
     except OSError:
         return path
     return aside
+
+
+def read_state(
+    path: Path,
+    decode: Callable[[Any], T],
+    *,
+    what: str,
+    log: structlog.typing.FilteringBoundLogger,
+    corrupt_level: Literal["warning", "error"] = "error",
+) -> tuple[T, str] | None:
+    """The JSON state file at `path` decoded, with its text; None when there is none, when it
+    cannot be read (logged), or when it does not decode (set aside with `set_aside`, logged at
+    `corrupt_level`): the caller then starts without it."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        log.error(f"{what} unreadable; starting without it", error=str(exc))
+        return None
+    try:
+        return decode(json.loads(text)), text
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        aside = set_aside(path)
+        report = log.warning if corrupt_level == "warning" else log.error
+        report(
+            f"{what} corrupt; set aside, starting without it",
+            error=f"{type(exc).__name__}: {exc}"[:200],
+            set_aside=str(aside),
+        )
+        return None

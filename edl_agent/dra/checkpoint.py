@@ -23,7 +23,7 @@ from typing import Any
 
 import structlog
 
-from edl_agent.durable import set_aside, write_atomically
+from edl_agent.durable import read_state, write_atomically
 
 FORMAT = 1
 DIRECTORY = "dra"
@@ -97,23 +97,13 @@ class PreparedClaims:
         self._claims = claims
 
     def _load(self) -> dict[tuple[str, str], PreparedClaim]:
-        try:
-            text = self.path.read_text(encoding="utf-8")
-        except FileNotFoundError:
+        # A warning only: kubelet keeps its own record, and unprepares what we forgot.
+        read = read_state(
+            self.path, _decode, what="prepared claims file", log=self._log, corrupt_level="warning"
+        )
+        if read is None:
             return {}
-        except OSError as exc:
-            self._log.error("prepared claims unreadable; starting without them", error=str(exc))
-            return {}
-        try:
-            claims = _decode(json.loads(text))
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:
-            aside = set_aside(self.path)
-            self._log.warning(
-                "prepared claims file corrupt; set aside, starting without it",
-                error=f"{type(exc).__name__}: {exc}"[:200],
-                set_aside=str(aside),
-            )
-            return {}
+        claims, _ = read
         self._log.info("prepared claims loaded", claims=len(claims))
         return claims
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import structlog
 
-from edl_agent.durable import set_aside, write_atomically
+from edl_agent.durable import read_state, write_atomically
 from edl_agent.health.model import ClearsBy, Level
 from edl_agent.health.tracker import Condition
 
@@ -55,24 +55,10 @@ class QuarantineStore:
 
     def load(self) -> Quarantine | None:
         """The saved quarantine, or None when there is none or it was corrupt (set aside)."""
-        try:
-            text = self.path.read_text(encoding="utf-8")
-        except FileNotFoundError:
+        read = read_state(self.path, self._decode, what="quarantine file", log=self._log)
+        if read is None:
             return None
-        except OSError as exc:
-            self._log.error("quarantine file unreadable; starting without it", error=str(exc))
-            return None
-        try:
-            loaded = self._decode(json.loads(text))
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:
-            aside = set_aside(self.path)
-            self._log.error(
-                "quarantine file corrupt; set aside, starting without it",
-                error=f"{type(exc).__name__}: {exc}"[:200],
-                set_aside=str(aside),
-            )
-            return None
-        self._written = text
+        loaded, self._written = read
         return loaded
 
     def save(self, quarantine: Quarantine) -> bool:
