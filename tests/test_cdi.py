@@ -22,7 +22,6 @@ from edl_agent.cdi import (
     CDI_VERSION,
     CdiWriter,
     Grant,
-    cdi_ids,
     claim_cdi_id,
     claim_spec,
     vendor_spec,
@@ -485,35 +484,35 @@ def test_unsafe_claim_uids_are_refused(tmp_path: Path, uid: str) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-def test_cdi_ids_name_the_static_devices_and_the_claim(simulated: Callable[[str], Node]) -> None:
+def test_static_cdi_ids_name_devices_of_the_vendor_specs(simulated: Callable[[str], Node]) -> None:
+    """What Allocate (`plugin.cdi`) and prepare answer for a device is a device of its vendor's
+    static spec."""
     node = simulated("mixed-gpu-npu")
     devices = [*node.whole(Vendor.ASCEND, 3), *node.whole(Vendor.NVIDIA, 1, 0)]
-    ids = cdi_ids(CLAIM_UID, [Grant(d) for d in devices])
-    assert ids == [
-        "nvidia.edl.io/gpu=gpu-0",
-        "nvidia.edl.io/gpu=gpu-1",
-        "ascend.edl.io/npu=npu-3",
-        f"claim.edl.io/env=claim-{CLAIM_UID}",
-    ]
-    assert ids[-1] == claim_cdi_id(CLAIM_UID)
+    ids = [names.device_cdi_id(d, node.devices) for d in devices]
+    assert ids == ["ascend.edl.io/npu=npu-3", "nvidia.edl.io/gpu=gpu-1", "nvidia.edl.io/gpu=gpu-0"]
     specs = {
         spec["kind"]: spec_devices(spec)
         for vendor in Vendor
         if (spec := vendor_spec(vendor, node.inventory.devices, node.present)) is not None
     }
-    for cdi_id in ids[:-1]:
+    for cdi_id in ids:
         kind, _, name = cdi_id.partition("=")
         assert name in specs[kind]
+    assert claim_cdi_id(CLAIM_UID) == f"claim.edl.io/env=claim-{CLAIM_UID}"
 
 
-def test_cdi_ids_of_a_mig_device_need_its_gpu(simulated: Callable[[str], Node]) -> None:
+def test_the_cdi_id_of_a_mig_device_needs_its_gpu(simulated: Callable[[str], Node]) -> None:
     node = simulated("dgx-a100-mig")
     mig = next(d for d in node.inventory.devices if d.parent is not None)
     gpu = node.devices[mig.parent or ""]
-    ids = cdi_ids(CLAIM_UID, [Grant(mig)], node_devices=node.inventory.devices)
-    assert ids[0] == names.cdi_id(Vendor.NVIDIA, names.device_name(mig, gpu))
+    cdi_id = names.device_cdi_id(mig, node.devices)
+    assert cdi_id == names.cdi_id(Vendor.NVIDIA, names.device_name(mig, gpu))
+    assert cdi_id.partition("=")[2] in spec_devices(
+        vendor_spec(Vendor.NVIDIA, node.inventory.devices, node.present) or {}
+    )
     with pytest.raises(ValueError, match=mig.id):
-        cdi_ids(CLAIM_UID, [Grant(mig)])
+        names.device_cdi_id(mig, {})
 
 
 # --- writer ----------------------------------------------------------------------------------

@@ -8,8 +8,9 @@
   the environment the device plugin's Allocate would set for the same devices (visible-devices
   variables, share variables), plus `EDL_CLAIM_UID`.
 
-A container that holds a claim is given `cdi_ids`: the static id of each granted device and the
-claim's id. Device nodes are host paths, passed at the same path in the container.
+A container that holds a claim is given the static id of each granted device
+(`names.device_cdi_id`) and, once, the claim's id (`claim_cdi_id`). Device nodes are host paths,
+passed at the same path in the container.
 """
 
 from __future__ import annotations
@@ -120,20 +121,6 @@ def claim_spec(
 
 def claim_cdi_id(claim_uid: str) -> str:
     return f"{names.CLAIM_CDI_KIND}={names.claim_cdi_name(check_claim_uid(claim_uid))}"
-
-
-def cdi_ids(
-    claim_uid: str, grants: Sequence[Grant], *, node_devices: Iterable[Device] = ()
-) -> list[str]:
-    """The CDI ids a container holding the claim gets: each granted device's static id, in host
-    order, then the claim's. A granted MIG device's GPU must be among the grants or
-    `node_devices` (ValueError otherwise): the MIG device is named after it."""
-    known = _by_id([*node_devices, *(g.device for g in grants)])
-    static = [
-        names.cdi_id(d.vendor, names.device_name(d, known.get(d.parent) if d.parent else None))
-        for d in _granted_devices(grants, known)
-    ]
-    return [*static, claim_cdi_id(claim_uid)]
 
 
 def _by_id(devices: Iterable[Device]) -> dict[str, Device]:

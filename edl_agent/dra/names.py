@@ -70,6 +70,13 @@ def cdi_id(vendor: Vendor, name: str) -> str:
     return f"{cdi_kind(vendor)}={name}"
 
 
+def device_cdi_id(device: Device, by_id: Mapping[str, Device]) -> str:
+    """The device's id in its vendor's static CDI spec (a MIG device's GPU looked up in
+    `by_id`)."""
+    parent = by_id.get(device.parent) if device.parent else None
+    return cdi_id(device.vendor, device_name(device, parent))
+
+
 def claim_cdi_name(claim_uid: str) -> str:
     return f"claim-{claim_uid}"
 

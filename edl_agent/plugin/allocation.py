@@ -176,7 +176,7 @@ def allocate(
         if spec.cdi_kind is not None and settings.nvidia_cdi:
             cdi += [f"{spec.cdi_kind}={name}" for name in vendor_names]
         if settings.cdi:
-            cdi += [_own_cdi_id(d, devices) for d in physical if d.vendor is vendor]
+            cdi += [dra_names.device_cdi_id(d, devices) for d in physical if d.vendor is vendor]
     envs.update(share_envs(granted, [d.id for d in physical]))
     return ContainerAllocation(
         envs=envs,
@@ -184,12 +184,6 @@ def allocate(
         annotations={ALLOCATED_ANNOTATION: ",".join(d.id for d in physical)},
         cdi_devices=tuple(cdi),
     )
-
-
-def _own_cdi_id(device: Device, devices: Mapping[str, Device]) -> str:
-    """The device's id in our static CDI spec of its vendor (edl_agent.cdi)."""
-    parent = devices.get(device.parent) if device.parent else None
-    return dra_names.cdi_id(device.vendor, dra_names.device_name(device, parent))
 
 
 def _is_unhealthy(device: Device, unhealthy: Collection[str]) -> bool:
