@@ -280,10 +280,7 @@ class DraNode:
 
     def _reserve(self, vendor: Vendor, name: str) -> str | None:
         snapshot = self._state.snapshot()
-        device_id = next(
-            (i for i, n in names.device_names(snapshot.inventory.devices).items() if n == name),
-            None,
-        )
+        device_id = self._claimable(snapshot).get((names.driver_name(vendor), self.node, name))
         if device_id is None:
             return "not on this node"
         holds: frozenset[str] = frozenset()
@@ -299,20 +296,17 @@ class DraNode:
         return None if holders is None else frozenset(holders)
 
     def _withhold_prepared(self) -> None:
-        devices = self._state.snapshot().inventory.devices
-        device_names = names.device_names(devices)
-        by_name = {
-            (names.driver_name(d.vendor), device_names[d.id]): d.id
-            for d in devices
-            if d.id in device_names
-        }
+        claimable = self._claimable(self._state.snapshot())
         held = {
-            by_name[(claim.driver, device.device)]
+            claimable[key]
             for claim in self.checkpoint.claims()
             for device in claim.devices
-            if (claim.driver, device.device) in by_name
+            if (key := (claim.driver, device.pool, device.device)) in claimable
         }
         self._state.set_withheld(held)
+
+    def _claimable(self, snapshot: Snapshot) -> dict[tuple[str, str, str], str]:
+        return names.claimable(snapshot.inventory, lambda vendor: vendor in self.vendors)
 
     def _both_ways(self) -> bool:
         return any(self._settings.serve(v.value) == "both" for v in self.vendors)
