@@ -40,13 +40,14 @@ import hashlib
 import re
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from edl_agent.config import Settings
 from edl_agent.devices.model import Device, Health, Inventory, UnitKind, Vendor
 from edl_agent.devices.resources import advertised_resources, product_model
 from edl_agent.dra import names
+from edl_agent.kube_time import format_time
 from edl_agent.labels.compute import label_value
 from edl_agent.plugin.state import Snapshot
 
@@ -87,7 +88,7 @@ def desired_slices(
     device_names = names.device_names(devices)
     shares = _shares_by_device(devices, settings)
     drivers = {r.vendor: r.driver for r in inventory.reports}
-    taint_time = now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    taint_time = format_time(now)
     result: dict[str, list[Spec]] = {}
     for vendor in names.CLASSES:
         if settings.serve(vendor.value) == "device-plugin":
