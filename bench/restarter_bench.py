@@ -9,6 +9,8 @@ one FaultTolerancePolicy, the restarter running as its own process (`edl-agent r
                                            replacement exists (from the first exit seen)
   restarter_not_ready_to_replacement       a node turns NotReady → the last of its pods'
                                            replacements exists; minus the node grace too
+  restarter_api_writes_per_restart         the restarter's own writes to the API during the
+                                           burst (edl_restarter_api_writes_total), per restart
   restarter_sync_seconds, restarter_rss    the restarter's start (list + watch of everything)
                                            and its memory with all the pods cached
 
@@ -352,6 +354,17 @@ class RestarterProcess:
             time.sleep(0.1)
         raise SystemExit("the restarter never became ready")
 
+    def writes(self) -> float:
+        """edl_restarter_api_writes_total, all kinds together, as its /metrics says now."""
+        url = f"http://127.0.0.1:{self.port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            text = response.read().decode()
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("edl_restarter_api_writes_total{")
+        )
+
     def stop(self) -> None:
         self.process.terminate()
         try:
@@ -437,9 +450,13 @@ def main() -> int:
             figure("restarter_fault_to_replacement_p50", statistics.median(latencies) * 1000, "ms")
             figure("restarter_fault_to_replacement_p99", percentile(latencies, 99) * 1000, "ms")
             burst_names = [n for _, n in zip(range(args.burst), singles, strict=False)]
+            writes_before = restarter.writes()
             drained, after_last = burst(cluster, watch, burst_names)
             figure(f"restarter_burst{len(burst_names)}_drain_seconds", drained, "s")
             figure(f"restarter_burst{len(burst_names)}_after_last_exit", after_last, "s")
+            time.sleep(1)  # the last deletes
+            writes = restarter.writes() - writes_before
+            figure("restarter_api_writes_per_restart", writes / len(burst_names), "writes")
             not_ready(cluster, watch, nodes, names, args.grace)
             figure("restarter_rss_after", restarter.ps.memory_info().rss / 2**20, "MiB")
             cpu = restarter.ps.cpu_times()

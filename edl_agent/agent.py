@@ -10,11 +10,12 @@ part go through `report()`, the one health stream that feeds the device plugin (
 wakes at once), the node publisher, the quarantine file and the metrics.
 
 Fault reports (`start_faults`): a device that turns Unhealthy while pods hold it (kubelet's
-pod-resources API; shares count for their physical device) becomes a DEVICE_UNHEALTHY fault
-naming those pods — a device no pod holds gives the restarter nothing to restart, so it is only
-logged. A watcher of this node's pods adds CONTAINER_EXIT faults. Faults go to the durable outbox
-under `faults.state_dir`, which a sender delivers to the restarter; with no
-`faults.restarter_address` they are only logged.
+pod-resources API; shares count for their physical device) becomes one DEVICE_UNHEALTHY fault
+per pod holding it (`pod_faults.per_pod_faults`: with the pod's uid and never dated before the
+pod, when the pod watcher has seen it) — a device no pod holds gives the restarter nothing to
+restart, so it is only logged. A watcher of this node's pods adds CONTAINER_EXIT faults. Faults
+go to the durable outbox under `faults.state_dir`, which a sender delivers to the restarter;
+with no `faults.restarter_address` they are only logged.
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ import functools
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -390,9 +391,10 @@ class Agent:
             self._log.warning("fault not kept", fault_id=fault.id, error=str(exc))
 
     def _device_faults(self, turned: list[tuple[str, Condition]]) -> None:
-        """Faults for devices that just turned Unhealthy, naming the pods that hold them."""
+        """Faults for devices that just turned Unhealthy: one per pod holding the device."""
         from edl_agent.faults.ids import device_unhealthy_id
-        from edl_agent.faults.model import Fault, FaultKind, PodRef
+        from edl_agent.faults.model import Fault, FaultKind
+        from edl_agent.faults.pod_faults import per_pod_faults
 
         snapshot = self.state.snapshot()
         holders = self._pods.pod_devices_known(snapshot.units, self._claimable(snapshot))
@@ -421,18 +423,25 @@ class Agent:
             containers = sorted({f"{p.namespace}/{p.pod}/{p.container}" for p in held_by})
             held = f"held by {', '.join(containers)}"
             detail = f"{condition.detail}; {held}" if condition.detail else held
-            self.report_fault(
-                Fault(
-                    id=device_unhealthy_id(node, device_id, condition.reason, condition.since),
-                    kind=FaultKind.DEVICE_UNHEALTHY,
-                    node=node,
-                    observed_at=datetime.now(UTC) - timedelta(seconds=age),
-                    pods=tuple(sorted({PodRef(p.namespace, p.pod) for p in held_by})),
-                    reason=condition.reason,
-                    device_ids=(device_id,),
-                    detail=detail,
-                )
+            spell = Fault(
+                id=device_unhealthy_id(node, device_id, condition.reason, condition.since),
+                kind=FaultKind.DEVICE_UNHEALTHY,
+                node=node,
+                observed_at=datetime.now(UTC) - timedelta(seconds=age),
+                reason=condition.reason,
+                device_ids=(device_id,),
+                detail=detail,
             )
+            names = sorted({(p.namespace, p.pod) for p in held_by})
+            for fault in per_pod_faults(spell, [self._pod_object(*name) for name in names]):
+                self.report_fault(fault)
+
+    def _pod_object(self, namespace: str, name: str) -> Mapping[str, Any]:
+        """The pod as the pod watcher last saw it (uid, creation time); else its name alone,
+        which is all kubelet's pod-resources API tells."""
+        watcher = self.pod_exits
+        pod = watcher.pod(namespace, name) if watcher is not None else None
+        return pod if pod is not None else {"metadata": {"namespace": namespace, "name": name}}
 
     def _retry_device_faults(self) -> None:
         with self._pending_lock:

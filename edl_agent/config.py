@@ -12,15 +12,20 @@ import dataclasses
 import itertools
 import re
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from edl_agent.errors import shorten
 from edl_agent.typed import SchemaError, build
 
+T = TypeVar("T")
 ENV_PREFIX = "EDL_"
+# The restarter's settings (`edl_agent.restarter.settings`): a process of one kind must not
+# refuse to start over the other's variables (a shell or pod that sets both).
+RESTARTER_ENV_PREFIX = "EDL_RESTARTER_"
+ENV_PREFIXES = (ENV_PREFIX, RESTARTER_ENV_PREFIX)
 RESOURCE_NAME = re.compile(
     r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 )
@@ -40,6 +45,8 @@ MIN_MEMORY_UNIT_MIB = 64
 # A config file is a page of YAML; reading stops here so that a wrong path (/dev/zero, a disk
 # image) is refused at once instead of filling memory.
 MAX_CONFIG_BYTES = 1024 * 1024
+LogLevel = Literal["debug", "info", "warning", "error"]
+LogFormat = Literal["auto", "json", "console"]
 # Which kubelet API serves a vendor's devices: the device plugin (extended resources), Dynamic
 # Resource Allocation (ResourceSlices and claims), or both during a migration.
 Serve = Literal["device-plugin", "dra", "both"]
@@ -380,9 +387,9 @@ class Settings:
     """The Kubernetes node this agent runs on; default: $NODE_NAME, else the host's hostname."""
     host_root: str = "/"
     """Every device, sysfs file, library and vendor tool is read under this directory."""
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_level: LogLevel = "info"
     """Least severe log level written (logs go to stderr)."""
-    log_format: Literal["auto", "json", "console"] = "auto"
+    log_format: LogFormat = "auto"
     """auto: readable on a terminal, JSON lines otherwise."""
     nvidia: NvidiaSettings = field(default_factory=NvidiaSettings)
     kunlunxin: KunlunxinSettings = field(default_factory=KunlunxinSettings)
@@ -458,39 +465,85 @@ def load_settings(
     defaults: Mapping[str, Any] | None = None,
 ) -> Settings:
     """Merge the layers and validate; raises ConfigError with one line naming key and source."""
-    merged: dict[str, Any] = {}
-    layers: list[tuple[str, Mapping[str, Any]]] = []
-    if defaults:
-        layers.append(("profile defaults", defaults))
+    return load_layers(
+        Settings,
+        file=file,
+        environ=environ,
+        overrides=[("command line", overrides or {})],
+        defaults=[("profile defaults", defaults)] if defaults else [],
+    )
+
+
+# A layer of settings: where it came from (named in errors) and its nested mapping of keys.
+Layer = tuple[str, Mapping[str, Any]]
+
+
+def load_layers(
+    root: type[T],
+    *,
+    file: str | None = None,
+    environ: Mapping[str, str] | None = None,
+    overrides: Sequence[Layer] = (),
+    defaults: Sequence[Layer] = (),
+    env_prefix: str = ENV_PREFIX,
+) -> T:
+    """`root` (a settings dataclass) from, lowest first: `defaults`, the YAML `file`, the
+    `env_prefix` variables of `environ`, `overrides`. Raises ConfigError with one line naming
+    the key and the layer it came from."""
+    layers = [*defaults]
     if file is not None:
         layers.append((file, _read_file(file)))
-    layers.append(("environment", env_layer(environ or {})))
-    layers.append(("command line", overrides or {}))
+    layers.append(("environment", env_layer(environ or {}, root, env_prefix)))
+    layers += overrides
+    merged: dict[str, Any] = {}
     source_of: dict[str, str] = {}
     try:
         for source, layer in layers:
-            _check_layer(layer, source)
+            _check_layer(root, layer, source)
             _deep_merge(merged, layer)
-            for top in layer:
-                source_of[str(top)] = source
-        return build(Settings, merged)
+            source_of.update(dict.fromkeys(_key_paths(layer), source))
+        return build(root, merged)
     except SchemaError as exc:
-        source = source_of.get(exc.where.split(".")[0].split("[")[0], "configuration")
-        msg = f"{exc} (from {source})"
+        msg = f"{exc} (from {_source(source_of, exc.where)})"
         raise ConfigError(msg) from None
     except RecursionError:
         msg = "the settings are nested too deeply"
         raise ConfigError(msg) from None
 
 
-def env_layer(environ: Mapping[str, str]) -> dict[str, Any]:
-    """The `EDL_*` variables as a nested mapping; `EDL_A__B=v` becomes {"a": {"b": v}}."""
+def _key_paths(layer: Mapping[str, Any], prefix: str = "") -> Iterator[str]:
+    """Every dotted key path `layer` sets, mappings on the way included."""
+    for key, value in layer.items():
+        path = f"{prefix}{key}"
+        yield path
+        if isinstance(value, Mapping):
+            yield from _key_paths(value, f"{path}.")
+
+
+def _source(source_of: Mapping[str, str], where: str) -> str:
+    """The layer that set `where` (`sharing[0].replicas`) or, failing that, its nearest parent."""
+    parts = re.sub(r"\[\d+\]", "", where).split(".")
+    for end in range(len(parts), 0, -1):
+        source = source_of.get(".".join(parts[:end]))
+        if source is not None:
+            return source
+    return "configuration"
+
+
+def env_layer(
+    environ: Mapping[str, str], root: type[Any] = Settings, prefix: str = ENV_PREFIX
+) -> dict[str, Any]:
+    """The `EDL_*` variables (`prefix`) as a nested mapping; `EDL_A__B=v` becomes {"a": {"b": v}}.
+    A variable belongs to the longest of `ENV_PREFIXES` it starts with: the agent leaves the
+    restarter's `EDL_RESTARTER_*` alone, and the restarter every other `EDL_*`."""
     layer: dict[str, Any] = {}
     for name, raw in environ.items():
-        if not name.startswith(ENV_PREFIX) or name in NON_SETTING_ENV:
+        if not name.startswith(prefix) or name in NON_SETTING_ENV:
             continue
-        path = [part.lower() for part in name[len(ENV_PREFIX) :].split("__")]
-        set_path(layer, path, parse_value(path, raw, name))
+        if any(len(other) > len(prefix) and name.startswith(other) for other in ENV_PREFIXES):
+            continue
+        path = [part.lower() for part in name[len(prefix) :].split("__")]
+        set_path(layer, path, parse_value(path, raw, name, root))
     return layer
 
 
@@ -498,19 +551,19 @@ def env_layer(environ: Mapping[str, str]) -> dict[str, Any]:
 NON_SETTING_ENV = frozenset({"EDL_CACHE_DIR", "EDL_K8S_BIN_DIR"})
 
 
-def assignment(text: str) -> tuple[list[str], Any]:
+def assignment(text: str, root: type[Any] = Settings) -> tuple[list[str], Any]:
     """Parse a `--set key.path=value` flag."""
     key, sep, raw = text.partition("=")
     if not sep or not key:
-        msg = f"--set {text!r}: expected KEY=VALUE, e.g. nvidia.mig_strategy=mixed"
+        msg = f"--set {text!r}: expected KEY=VALUE, e.g. log_level=debug"
         raise ConfigError(msg)
     path = key.strip().split(".")
-    return path, parse_value(path, raw, f"--set {key}")
+    return path, parse_value(path, raw, f"--set {key}", root)
 
 
-def parse_value(path: list[str], raw: str, origin: str) -> Any:
+def parse_value(path: list[str], raw: str, origin: str, root: type[Any] = Settings) -> Any:
     """Strings stay strings where the setting is a string; everything else is a YAML scalar."""
-    if _hint_at(path) is str:
+    if _hint_at(root, path) is str:
         return raw
     if not raw.strip():
         return ""
@@ -556,10 +609,10 @@ def load_yaml(text: str) -> Any:
         ) from None
 
 
-def describe_settings() -> list[tuple[str, str, str]]:
-    """(key, default, help) for every setting, for the README and `--help`."""
+def describe_settings(root: type[Any] = Settings) -> list[tuple[str, str, str]]:
+    """(key, default, help) for every setting of `root`, for the README and `--keys`."""
     rows: list[tuple[str, str, str]] = []
-    _describe(Settings, "", rows)
+    _describe(root, "", rows)
     return rows
 
 
@@ -602,8 +655,8 @@ def _field_docs(cls: type[Any]) -> dict[str, str]:
     return docs
 
 
-def _hint_at(path: list[str]) -> Any:
-    hint: Any = Settings
+def _hint_at(root: type[Any], path: list[str]) -> Any:
+    hint: Any = root
     for part in path:
         if not (dataclasses.is_dataclass(hint) and isinstance(hint, type)):
             return None
@@ -653,8 +706,8 @@ def _decode(path: str, raw: bytes) -> str:
         raise ConfigError(msg) from None
 
 
-def _check_layer(layer: Mapping[str, Any], source: str) -> None:
-    known = {f.name for f in dataclasses.fields(Settings)}
+def _check_layer(root: type[Any], layer: Mapping[str, Any], source: str) -> None:
+    known = {f.name for f in dataclasses.fields(root)}
     for key in layer:
         if key not in known:
             shown = shorten(str(key))

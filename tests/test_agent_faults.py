@@ -20,7 +20,7 @@ from edl_agent.config import ConfigError, load_settings
 from edl_agent.faults.ids import container_exit_id, device_unhealthy_id
 from edl_agent.faults.model import FaultKind, PodRef
 from edl_agent.faults.outbox import Outbox
-from edl_agent.faults.pod_exits import container_exits
+from edl_agent.faults.pod_exits import PodExitWatcher, container_exits
 from edl_agent.sim.inject import inject_xid
 from edl_agent.sim.profile import load_profile
 from edl_agent.sim.tree import build_tree
@@ -54,6 +54,7 @@ def terminated(code: int, reason: str = "Error") -> dict[str, Any]:
 def test_container_exits_from_pod_status() -> None:
     pod = {
         "metadata": {"namespace": "ml", "name": "trainer", "uid": "u1"},
+        "spec": {"nodeName": "node-a"},
         "status": {
             "initContainerStatuses": [status("init", 0, state=terminated(0, "Completed"))],
             "containerStatuses": [
@@ -66,7 +67,7 @@ def test_container_exits_from_pod_status() -> None:
             "ephemeralContainerStatuses": [status("debugger", 0, state=terminated(137))],
         },
     }
-    faults = container_exits(pod, "node-a")
+    faults = container_exits(pod)
     assert [(f.id, f.container, f.exit_code, f.reason) for f in faults] == [
         ("exit/u1/oom/0", "oom", 137, "OOMKilled"),
         ("exit/u1/flaky/1", "flaky", 1, "Error"),
@@ -75,6 +76,49 @@ def test_container_exits_from_pod_status() -> None:
     assert {f.pods for f in faults} == {(PodRef("ml", "trainer", "u1"),)}
     assert {f.observed_at for f in faults} == {datetime(2026, 5, 1, 12, tzinfo=UTC)}
     assert {f.node for f in faults} == {"node-a"}
+
+
+class PodsApi:
+    """The two calls PodExitWatcher makes, answered from a list and a stream of events."""
+
+    def __init__(self, items: list[dict[str, Any]], events: list[tuple[str, dict[str, Any]]]):
+        self.items = items
+        self.events = events
+
+    def list_pods(self, field_selector: str) -> dict[str, Any]:
+        assert field_selector == "spec.nodeName=node-a"
+        return {"metadata": {"resourceVersion": "1"}, "items": self.items}
+
+    def watch_pods(self, field_selector: str, **_: Any) -> Iterator[tuple[str, dict[str, Any]]]:
+        yield from self.events
+
+
+def node_pod(name: str, uid: str, **status: Any) -> dict[str, Any]:
+    return {
+        "metadata": {"namespace": "ml", "name": name, "uid": uid, "resourceVersion": "2"},
+        "spec": {"nodeName": "node-a"},
+        "status": status,
+    }
+
+
+def test_the_pod_watcher_reports_each_exit_once_and_remembers_the_node_s_pods() -> None:
+    """A re-list after a restart in place still shows the exit (`lastState`): reported once.
+    The pods it last saw name a device fault's pods with their uids."""
+    restarted = node_pod(
+        "trainer", "u1", containerStatuses=[status("main", 1, lastState=terminated(137))]
+    )
+    gone = node_pod("old", "u0")
+    replaced = node_pod("old", "u9")  # a new pod by that name, then the old one's deletion
+    api = PodsApi([restarted, gone], [("ADDED", replaced), ("DELETED", gone)])
+    reported: list[str] = []
+    watcher = PodExitWatcher(api, "node-a", lambda fault: reported.append(fault.id))  # type: ignore[arg-type]
+    watcher._list()
+    watcher._list()
+    watcher._watch("1")
+    assert reported == [container_exit_id("u1", "main", 0)]
+    assert watcher.pod("ml", "trainer") == restarted
+    assert watcher.pod("ml", "old") == replaced  # the old one's deletion did not remove it
+    assert watcher.pod("ml", "nobody") is None
 
 
 def test_run_flags_and_the_simulated_state_dir() -> None:
@@ -164,6 +208,8 @@ def test_an_xid_on_a_held_gpu_is_a_fault_naming_the_pod(
     assert fault.kind is FaultKind.DEVICE_UNHEALTHY
     assert fault.device_ids == (gpus[3].id,)
     assert fault.pods == (PodRef("ml", "trainer-x"),)
+    assert fault.id.startswith("device/")
+    assert fault.id.endswith("/ml/trainer-x")  # one fault per pod
     assert fault.reason == "XID79"
     assert fault.node == agent.state.snapshot().inventory.node
     assert "ml/trainer-x/main" in fault.detail

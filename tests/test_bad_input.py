@@ -4,10 +4,11 @@ loop that retries what cannot work.
 
 Cases that could start something long (`run`, `restarter`, `--simulate`) run the installed entry
 point (`.venv/bin/edl-agent`) as subprocesses, in parallel, each with a timeout, so that a hang
-or a retry loop fails the case. The others (`discover` and `config` on an empty node, which fail
-while reading their settings) call `main()` in this process: the same code, without an
-interpreter's start-up for each. Nothing touches the host: files live in a temporary directory,
-a node is an empty directory or a `--simulate` profile, and no case reaches an API server.
+or a retry loop fails the case. The others (`discover` and `config` on an empty node, and
+`restarter config`, which fail while reading their settings) call `main()` in this process: the
+same code, without an interpreter's start-up for each. Nothing touches the host: files live in a
+temporary directory, a node is an empty directory or a `--simulate` profile, and no case reaches
+an API server.
 """
 
 from __future__ import annotations
@@ -55,7 +56,10 @@ class Case:
     @property
     def in_process(self) -> bool:
         """Fails while reading its settings, whatever happens: safe to run in this process."""
-        return self.argv[:1] in (("discover",), ("config",)) and "--simulate" not in self.argv
+        return (
+            self.argv[:1] in (("discover",), ("config",))
+            or self.argv[:2] == ("restarter", "config")
+        ) and "--simulate" not in self.argv
 
 
 def node(*argv: str, message: str, env: Mapping[str, str] | None = None, id: str) -> Case:
@@ -582,84 +586,84 @@ RESTARTER_CASES = [
         "--metrics-addr",
         "nonsense",
         id="r-metrics-addr",
-        message="--metrics-addr: 'nonsense' has no port",
+        message="metrics_addr: 'nonsense' has no port; expected [host]:port",
     ),
     node(
         *RESTARTER,
         "--metrics-addr",
         ":99999",
         id="r-metrics-addr-port",
-        message="--metrics-addr: ':99999': port '99999' is not a number from 0 to 65535",
+        message="metrics_addr: ':99999': port '99999' is not a number from 0 to 65535",
     ),
     node(
         *RESTARTER,
         "--listen",
         "nonsense",
         id="r-listen",
-        message="--listen: 'nonsense' has no port",
+        message="intake.listen: 'nonsense' has no port",
     ),
     node(
         *RESTARTER,
         "--listen",
         "[::1:8443",
         id="r-listen-bracket",
-        message="--listen: '[::1:8443': write an IPv6 host in brackets",
+        message="intake.listen: '[::1:8443': write an IPv6 host in brackets",
     ),
     node(
         *RESTARTER,
         "--listen",
         "1.2.3.4:-1",
         id="r-listen-negative-port",
-        message="--listen: '1.2.3.4:-1': port '-1' is not a number",
+        message="intake.listen: '1.2.3.4:-1': port '-1' is not a number",
     ),
     node(
         *RESTARTER,
         "--node-grace-seconds",
         "nan",
         id="r-grace-nan",
-        message="--node-grace-seconds: expected seconds from 0 to 604800, got nan",
+        message="node_grace_seconds: expected a finite number, got float nan (from --node-grace-s",
     ),
     node(
         *RESTARTER,
         "--node-grace-seconds",
         "inf",
         id="r-grace-inf",
-        message="--node-grace-seconds: expected seconds from 0 to 604800, got inf",
+        message="node_grace_seconds: expected a finite number, got float inf",
     ),
     node(
         *RESTARTER,
         "--node-grace-seconds",
         "-5",
         id="r-grace-negative",
-        message="--node-grace-seconds: expected seconds from 0 to 604800, got -5",
+        message="node_grace_seconds: expected seconds from 0 to 604800, got -5.0",
     ),
     node(
         *RESTARTER,
         "--storm-max-share",
         "nan",
         id="r-share-nan",
-        message="--storm-max-share: expected a share > 0 and at most 1, got nan",
+        message="storm.max_share: expected a finite number, got float nan",
     ),
     node(
         *RESTARTER,
         "--storm-max-share",
         "2",
         id="r-share-above-1",
-        message="--storm-max-share: expected a share > 0 and at most 1",
+        message="storm.max_share: expected a share > 0 and at most 1",
     ),
     node(
         *RESTARTER,
         "--storm-max-share",
         "0",
         id="r-share-zero",
-        message="--storm-max-share: expected a share > 0",
+        message="storm.max_share: expected a share > 0",
     ),
     node(
         *RESTARTER,
         "--storm-min-nodes",
         "-1",
         id="r-min-nodes-negative",
-        message="--storm-min-nodes: expected 0 to 1000000, got -1",
+        message="storm.min_nodes: expected 0 to 1000000, got -1 (from --storm-min-nodes)",
     ),
     node(
         *RESTARTER,
@@ -673,53 +677,59 @@ RESTARTER_CASES = [
         "--storm-min-nodes",
         BIG,
         id="r-min-nodes-big",
-        message="--storm-min-nodes: expected 0 to 1000000, got 9999",
+        message="storm.min_nodes: an integer of about 4000 digits is out of range",
     ),
     node(
         *RESTARTER,
         "--lease-duration-seconds",
         "inf",
         id="r-lease-inf",
-        message="--lease-duration-seconds: expected seconds from 0 to 3600, got inf",
+        message="election.lease_duration_seconds: expected a finite number, got float inf",
     ),
     node(
         *RESTARTER,
         "--retry-period-seconds",
         "nan",
         id="r-retry-nan",
-        message="--retry-period-seconds: expected seconds from 0 to 3600, got nan",
+        message="election.retry_period_seconds: expected a finite number, got float nan",
     ),
     node(
         *RESTARTER,
         "--renew-deadline-seconds",
         "20",
         id="r-election-order",
-        message="leader election needs 0 < --retry-period-seconds < --renew-deadline-seconds",
+        message="election: leader election needs 0 < retry_period_seconds < renew_deadline_seconds",
     ),
     node(
         *RESTARTER,
         "--namespace",
         "Not_A_Namespace",
         id="r-namespace",
-        message="--namespace: 'Not_A_Namespace' is not a namespace name",
+        message="namespaces[0]: 'Not_A_Namespace' is not a namespace name (from --namespace)",
     ),
     node(
         *RESTARTER,
         "--agent-service-account",
         "edl-agent",
         id="r-service-account",
-        message="--agent-service-account: expected NS/NAME, got 'edl-agent'",
+        message="intake.agent_service_account: expected NS/NAME, got 'edl-agent'",
     ),
     node(
-        *RESTARTER, "--lease-name", "", id="r-lease-name", message="--lease-name: '' is not a name"
+        *RESTARTER,
+        "--lease-name",
+        "",
+        id="r-lease-name",
+        message="election.lease_name: '' is not a name (from --lease-name)",
     ),
-    node(*RESTARTER, "--audience", "", id="r-audience", message="--audience: must not be empty"),
+    node(
+        *RESTARTER, "--audience", "", id="r-audience", message="intake.audience: must not be empty"
+    ),
     node(
         *RESTARTER,
         "--tls-cert",
         "{d}/afile",
         id="r-tls-half",
-        message="--tls-cert and --tls-key: give both or neither",
+        message="intake.tls_key: must be set with tls_cert (give both or neither) (from --tls-c",
     ),
     node(
         *RESTARTER,
@@ -728,7 +738,7 @@ RESTARTER_CASES = [
         "--tls-key",
         "{d}/missing",
         id="r-tls-missing",
-        message="--tls-cert {d}/missing: No such file or directory",
+        message="intake.tls_cert {d}/missing: No such file or directory",
     ),
     node(
         *RESTARTER,
@@ -737,28 +747,28 @@ RESTARTER_CASES = [
         "--tls-key",
         "{d}/afile",
         id="r-tls-not-pem",
-        message="--tls-cert {d}/afile: not a PEM file",
+        message="intake.tls_cert {d}/afile: not a PEM file",
     ),
     node(
         "restarter",
         "--kubeconfig",
         "{d}/missing",
         id="r-kubeconfig-missing",
-        message="--kubeconfig: {d}/missing does not exist",
+        message="error: kubeconfig: {d}/missing does not exist",
     ),
     node(
         "restarter",
         "--kubeconfig",
         "{d}/broken-kubeconfig",
         id="r-kubeconfig-broken",
-        message="--kubeconfig: cannot use {d}/broken-kubeconfig",
+        message="error: kubeconfig: cannot use {d}/broken-kubeconfig",
     ),
     node(
         "restarter",
         "--kubeconfig",
         "{d}/huge-int.yaml",
         id="r-kubeconfig-huge-int",
-        message="--kubeconfig: cannot use {d}/huge-int.yaml",
+        message="error: kubeconfig: cannot use {d}/huge-int.yaml",
     ),
     node(
         "restarter",
@@ -787,7 +797,7 @@ RESTARTER_CASES = [
         "127.0.0.1:{port}",
         env={"KUBECONFIG": "{d}/kubeconfig"},
         id="r-env-kubeconfig-then-port-in-use",
-        message="--metrics-addr 127.0.0.1:{port}: Address already in use",
+        message="metrics_addr 127.0.0.1:{port}: Address already in use",
     ),
     node(
         "restarter",
@@ -802,6 +812,60 @@ RESTARTER_CASES = [
         "x",
         id="r-argparse-int",
         message="argument --storm-min-nodes: invalid int value: 'x' (see edl-agent restarter",
+    ),
+    # The restarter's settings from every layer, each error naming its source.
+    node(
+        *RESTARTER,
+        "--config",
+        "{d}/restarter.yaml",
+        id="r-file",
+        message="storm.min_nodes: expected 0 to 1000000, got -3 (from {d}/restarter.yaml)",
+    ),
+    node(
+        "restarter",
+        "config",
+        "--config",
+        "{d}/list.yaml",
+        id="r-config-file-list",
+        message="config file {d}/list.yaml: expected a mapping of settings at the top",
+    ),
+    node(
+        "restarter",
+        "config",
+        env={"EDL_RESTARTER_ELECTION__LEASE_NAME": "Bad Name"},
+        id="r-config-env",
+        message="election.lease_name: 'Bad Name' is not a name (from environment)",
+    ),
+    node(
+        "restarter",
+        "config",
+        env={"POD_NAMESPACE": "Not_A_NS"},
+        id="r-config-pod-namespace",
+        message="election.lease_namespace: 'Not_A_NS' is not a name (from $POD_NAMESPACE)",
+    ),
+    node(
+        "restarter",
+        "config",
+        "--set",
+        "replacement.drop_labels=[example.com/a/b]",
+        id="r-config-drop-label",
+        message="replacement.drop_labels[0]: 'example.com/a/b' is not a label key",
+    ),
+    node(
+        "restarter",
+        "config",
+        "--set",
+        "intake=3",
+        id="r-config-set-group",
+        message="intake: expected a mapping, got int 3 (from --set)",
+    ),
+    node(
+        "restarter",
+        "config",
+        "--set",
+        "colour=red",
+        id="r-config-unknown-key",
+        message="colour: unknown key (from --set; known keys: election, intake, kubeconfig",
     ),
 ]
 
@@ -823,11 +887,19 @@ def prepare(directory: Path) -> None:
     (directory / "bad-date.yaml").write_text("health:\n  quiet_seconds: 2024-13-01\n")
     (directory / "nan-events.yaml").write_text("node:\n  events_per_minute: .nan\n")
     (directory / "kubeconfig").write_text(KUBECONFIG)
+    (directory / "restarter.yaml").write_text("storm:\n  min_nodes: -3\n")
     (directory / "broken-kubeconfig").write_text("apiVersion: v1\nkind: Config\n")
 
 
 DROP_ENV = frozenset(
-    {"KUBECONFIG", "KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT", "NODE_NAME"}
+    {
+        "KUBECONFIG",
+        "KUBERNETES_SERVICE_HOST",
+        "KUBERNETES_SERVICE_PORT",
+        "NODE_NAME",
+        "POD_NAME",
+        "POD_NAMESPACE",
+    }
 )
 
 

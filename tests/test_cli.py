@@ -143,11 +143,11 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
             {},
             "too long for unix sockets: its socket paths would be 142 bytes, the limit is 107",
         ),
-        (["restarter", "--storm-max-share", "0"], {}, "--storm-max-share: expected a share > 0"),
+        (["restarter", "--storm-max-share", "0"], {}, "storm.max_share: expected a share > 0"),
         (
             ["restarter", "--renew-deadline-seconds", "20"],
             {},
-            "leader election needs 0 < --retry-period-seconds < --renew-deadline-seconds",
+            "leader election needs 0 < retry_period_seconds < renew_deadline_seconds",
         ),
     ],
 )

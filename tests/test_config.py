@@ -87,6 +87,18 @@ def test_bad_file(tmp_path: Path) -> None:
         load_settings(file=str(wrong))
 
 
+def test_the_source_named_is_the_layer_that_set_the_key(tmp_path: Path) -> None:
+    """Not the last layer that set another key of the same group."""
+    config = tmp_path / "edl.yaml"
+    config.write_text("nvidia:\n  mig_strategy: all\n")
+    environ = {"EDL_NVIDIA__ENABLED": "true"}
+    with pytest.raises(ConfigError, match=r"nvidia\.mig_strategy: .* \(from .*edl\.yaml\)$"):
+        load_settings(file=str(config), environ=environ)
+    config.write_text("sharing:\n  - {resource: a.com/g, replicas: 2000}\n")
+    with pytest.raises(ConfigError, match=r"sharing\[0\]\.replicas: .* \(from .*edl\.yaml\)$"):
+        load_settings(file=str(config), environ=environ)
+
+
 def test_every_setting_is_described() -> None:
     rows = describe_settings()
     keys = {key for key, _, _ in rows}

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -25,8 +26,10 @@ from edl_agent._proto.edl.fault.v1 import fault_pb2, fault_pb2_grpc
 from edl_agent.address import is_loopback
 from edl_agent.backoff import backoff_delay
 from edl_agent.faults.convert import to_proto
-from edl_agent.faults.model import Fault, FaultKind, PodRef
+from edl_agent.faults.ids import container_exit_id
+from edl_agent.faults.model import Fault, PodRef
 from edl_agent.faults.outbox import Outbox
+from edl_agent.faults.pod_faults import container_exit_faults
 from edl_agent.faults.sender import Sender, SenderSettings
 from edl_agent.restarter.auth import (
     NODE_NAME_EXTRA,
@@ -69,17 +72,35 @@ class StandInReviewer:
         return TOKENS.get(token, Identity(authenticated=False, error="invalid bearer token"))
 
 
+def worker(n: int, node: str = "node-a") -> dict[str, Any]:
+    """Pod `worker-<n>` as the restarter's pod cache shows it: its container exited 1."""
+    finished = (T0 + timedelta(seconds=n)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    exited = {"exitCode": 1, "reason": "Error", "finishedAt": finished}
+    return {
+        "metadata": {"namespace": "ml", "name": f"worker-{n}", "uid": f"uid-{n}"},
+        "spec": {"nodeName": node},
+        "status": {
+            "containerStatuses": [
+                {"name": "worker", "restartCount": 0, "state": {"terminated": exited}}
+            ]
+        },
+    }
+
+
+def cached_pod(ref: PodRef) -> dict[str, Any] | None:
+    """The stand-in pod cache: every `worker-<n>` runs on node-a."""
+    prefix, _, n = ref.name.partition("-")
+    return worker(int(n)) if prefix == "worker" and n.isdigit() else None
+
+
 def fault(n: int, node: str = "node-a") -> Fault:
-    return Fault(
-        id=f"fault-{n}",
-        kind=FaultKind.CONTAINER_EXIT,
-        node=node,
-        observed_at=T0 + timedelta(seconds=n),
-        pods=(PodRef("ml", f"worker-{n}", f"uid-{n}"),),
-        container="worker",
-        exit_code=1,
-        reason="Error",
-    )
+    """The exit of `worker-<n>` as the agent on `node` reports it."""
+    [exited] = container_exit_faults(worker(n, node), now=T0, source="agent")
+    return exited
+
+
+def fid(n: int) -> str:
+    return container_exit_id(f"uid-{n}", "worker", 0)
 
 
 def wait_until(what: str, done: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -102,8 +123,11 @@ class Restarter:
         self.reviewer = StandInReviewer()
         self.received: list[Fault] = []
         self.fail_sink = False
+        self.not_cached: set[str] = set()  # pods the cache does not show (yet)
         self._lock = threading.Lock()
-        self.intake = FaultIntake(review=self.reviewer, agent_user=AGENT, on_fault=self._sink)
+        self.intake = FaultIntake(
+            review=self.reviewer, agent_user=AGENT, on_fault=self._sink, find_pod=self._find_pod
+        )
         self.server = IntakeServer(self.intake, listen=f"127.0.0.1:{port}", **server)  # type: ignore[arg-type]
 
     def _sink(self, f: Fault) -> None:
@@ -112,6 +136,9 @@ class Restarter:
             raise RuntimeError(msg)
         with self._lock:
             self.received.append(f)
+
+    def _find_pod(self, ref: PodRef) -> dict[str, Any] | None:
+        return None if ref.name in self.not_cached else cached_pod(ref)
 
     def ids(self) -> Counter[str]:
         with self._lock:
@@ -260,17 +287,17 @@ def test_each_fault_is_judged_on_its_node(restarter: Restarter) -> None:
     bad.faults[0].ClearField("observed_at")
     response = report(restarter.address, [fault(1), fault(2, node="node-b")], "agent-a")
     assert verdicts(response) == [
-        ("fault-1", "VERDICT_ACCEPTED", ""),
-        ("fault-2", "VERDICT_REFUSED", "wrong_node"),
+        (fid(1), "VERDICT_ACCEPTED", ""),
+        (fid(2), "VERDICT_REFUSED", "wrong_node"),
     ]
     unbound = report(restarter.address, [fault(4)], "agent-unbound")
-    assert verdicts(unbound) == [("fault-4", "VERDICT_REFUSED", "wrong_node")]
+    assert verdicts(unbound) == [(fid(4), "VERDICT_REFUSED", "wrong_node")]
     with grpc.insecure_channel(restarter.address) as channel:
         stub = fault_pb2_grpc.FaultIntakeStub(channel)  # type: ignore[no-untyped-call]
         invalid = stub.Report(bad, metadata=[("authorization", "Bearer agent-a")], timeout=5)
-    assert verdicts(invalid) == [("fault-3", "VERDICT_REFUSED", "invalid_fault")]
+    assert verdicts(invalid) == [(fid(3), "VERDICT_REFUSED", "invalid_fault")]
     assert restarter.intake.counts().refused == {"wrong_node": 2, "invalid_fault": 1}
-    assert [f.id for f in restarter.received] == ["fault-1"]
+    assert [f.id for f in restarter.received] == [fid(1)]
 
 
 def test_a_fault_is_taken_once(restarter: Restarter) -> None:
@@ -278,7 +305,7 @@ def test_a_fault_is_taken_once(restarter: Restarter) -> None:
     again = report(restarter.address, [fault(1)], "agent-a")
     assert [v for _, v, _ in verdicts(first)] == ["VERDICT_ACCEPTED", "VERDICT_DUPLICATE"]
     assert [v for _, v, _ in verdicts(again)] == ["VERDICT_DUPLICATE"]
-    assert restarter.ids() == {"fault-1": 1}
+    assert restarter.ids() == {fid(1): 1}
     counts = restarter.intake.counts()
     assert (counts.accepted, counts.duplicates) == (1, 2)
 
@@ -302,7 +329,7 @@ def test_a_failing_sink_makes_the_agent_retry(restarter: Restarter) -> None:
     restarter.fail_sink = True
     with pytest.raises(grpc.RpcError) as failed:
         report(restarter.address, [fault(1)], "agent-a")
-    assert failed.value.code() == grpc.StatusCode.INTERNAL
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE  # the agent keeps it and retries
     restarter.fail_sink = False
     assert [v for _, v, _ in verdicts(report(restarter.address, [fault(1)], "agent-a"))] == [
         "VERDICT_ACCEPTED"
@@ -365,9 +392,53 @@ def test_the_sender_delivers_and_forgets(restarter: Restarter, tmp_path: Path) -
     finally:
         sender.stop()
         outbox.close()
-    assert restarter.ids() == {f"fault-{n}": 1 for n in range(5)}
+    assert restarter.ids() == {fid(n): 1 for n in range(5)}
     counts = sender.counts()
     assert (counts.accepted, counts.refused, counts.call_failures) == (5, 1, 0)
+
+
+def test_a_fault_the_restarter_cannot_record_stays_in_the_outbox(
+    restarter: Restarter, tmp_path: Path
+) -> None:
+    """The sink raises (the record cannot be written): the call ends UNAVAILABLE, the agent
+    keeps the whole batch and sends it again until it is recorded."""
+    restarter.fail_sink = True
+    outbox, sender = sender_for(tmp_path, restarter.address)
+    sender.start()
+    try:
+        outbox.enqueue(fault(1))
+        outbox.enqueue(fault(2))
+        wait_until("failed calls", lambda: sender.counts().call_failures >= 2)
+        assert [f.id for f in outbox.pending()] == [fid(1), fid(2)]
+        restarter.fail_sink = False
+        wait_until("the outbox to empty", lambda: len(outbox) == 0)
+    finally:
+        sender.stop()
+        outbox.close()
+    assert restarter.ids() == {fid(1): 1, fid(2): 1}
+
+
+def test_a_fault_the_cache_does_not_show_yet_is_sent_again_not_dropped(
+    restarter: Restarter, tmp_path: Path
+) -> None:
+    """A "retry later" answer (the pod cache trails the agent) keeps the fault in the outbox
+    without holding up the others or counting as a failed call."""
+    restarter.not_cached.add("worker-7")
+    outbox, sender = sender_for(tmp_path, restarter.address, retry_later=0.05)
+    sender.start()
+    try:
+        outbox.enqueue(fault(7))
+        outbox.enqueue(fault(1))
+        wait_until("the other fault delivered", lambda: restarter.ids() == {fid(1): 1})
+        wait_until("asked again", lambda: sender.counts().deferred >= 3)
+        assert [f.id for f in outbox.pending()] == [fid(7)]
+        restarter.not_cached.clear()  # the cache caught up
+        wait_until("the outbox to empty", lambda: len(outbox) == 0)
+    finally:
+        sender.stop()
+        outbox.close()
+    assert restarter.ids() == {fid(1): 1, fid(7): 1}
+    assert (sender.counts().call_failures, sender.counts().refused) == (0, 0)
 
 
 def test_the_sender_waits_out_an_outage(tmp_path: Path) -> None:
@@ -385,7 +456,7 @@ def test_the_sender_waits_out_an_outage(tmp_path: Path) -> None:
         sender.stop()
         outbox.close()
         later.server.stop(0)
-    assert later.ids() == {"fault-1": 1, "fault-2": 1}
+    assert later.ids() == {fid(1): 1, fid(2): 1}
 
 
 def test_a_token_is_read_for_every_call(restarter: Restarter, tmp_path: Path) -> None:
@@ -403,7 +474,7 @@ def test_a_token_is_read_for_every_call(restarter: Restarter, tmp_path: Path) ->
     finally:
         sender.stop()
         outbox.close()
-    assert restarter.ids() == {"fault-1": 1}
+    assert restarter.ids() == {fid(1): 1}
 
 
 def test_stop_leaves_the_outbox_on_disk(tmp_path: Path) -> None:
@@ -415,7 +486,7 @@ def test_stop_leaves_the_outbox_on_disk(tmp_path: Path) -> None:
     outbox.close()
     again = Outbox(tmp_path / "outbox")
     try:
-        assert [f.id for f in again.pending()] == ["fault-1"]
+        assert [f.id for f in again.pending()] == [fid(1)]
     finally:
         again.close()
 
@@ -457,7 +528,7 @@ def test_tls(certificate: tuple[Path, Path], tmp_path: Path) -> None:
         sender.stop()
         outbox.close()
         restarter.server.stop(0)
-    assert restarter.ids() == {"fault-1": 1}
+    assert restarter.ids() == {fid(1): 1}
 
 
 def tls_report(address: str, ca: Path, fault_: Fault) -> fault_pb2.ReportResponse:
@@ -506,7 +577,7 @@ def test_a_renewed_certificate_serves_new_connections_without_a_restart(tmp_path
         assert old_trust.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         restarter.server.stop(0)
-    assert restarter.ids() == {"fault-1": 1, "fault-2": 1, "fault-3": 1}
+    assert restarter.ids() == {fid(1): 1, fid(2): 1, fid(3): 1}
 
 
 def test_tls_needs_both_halves(certificate: tuple[Path, Path]) -> None:

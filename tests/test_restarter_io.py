@@ -1,15 +1,14 @@
-"""The restarter's pure I/O helpers: faults read off pod objects, the replacement pod, the CLI."""
+"""The restarter's pure I/O helpers: node readiness and grace, the replacement pod. (Faults
+read off pod objects: tests/test_pod_faults.py.)"""
 
 from __future__ import annotations
 
-import argparse
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from kubernetes import client
 
 from edl_agent.faults.model import FaultKind, PodRef
-from edl_agent.restarter import cli
 from edl_agent.restarter.actuator import (
     BASE_NAME_ANNOTATION,
     RESTART_COUNT_ANNOTATION,
@@ -20,10 +19,6 @@ from edl_agent.restarter.watchers import (
     DELETED_BY_ANNOTATION,
     RESTARTER,
     ClusterWatcher,
-    container_exit_id,
-    eviction_fault,
-    exit_faults,
-    force_delete_fault,
     is_not_ready,
 )
 
@@ -53,66 +48,7 @@ def pod(**status: Any) -> dict[str, Any]:
     }
 
 
-def test_a_non_zero_termination_is_a_container_exit_with_a_stable_id() -> None:
-    statuses = [
-        {
-            "name": "trainer",
-            "restartCount": 2,
-            "state": {
-                "terminated": {
-                    "exitCode": 137,
-                    "reason": "OOMKilled",
-                    "finishedAt": "2026-05-01T11:59:58Z",
-                }
-            },
-            "lastState": {"terminated": {"exitCode": 1}},
-        },
-        {"name": "sidecar", "restartCount": 0, "state": {"terminated": {"exitCode": 0}}},
-    ]
-    faults = exit_faults(pod(containerStatuses=statuses), NOW)
-    assert [(f.id, f.exit_code, f.container) for f in faults] == [
-        (container_exit_id("u1", "trainer", 2), 137, "trainer"),
-        (container_exit_id("u1", "trainer", 1), 1, "trainer"),
-    ]
-    listed = exit_faults(pod(containerStatuses=statuses), NOW, last=False)
-    assert [f.id for f in listed] == [container_exit_id("u1", "trainer", 2)]
-    first = faults[0]
-    assert first.kind is FaultKind.CONTAINER_EXIT
-    assert first.pods == (PodRef("ns", "job-worker-3", "u1"),)
-    assert first.observed_at == datetime(2026, 5, 1, 11, 59, 58, tzinfo=UTC)
-    assert (first.node, first.reason, first.source) == ("n1", "OOMKilled", "restarter")
-    assert faults[1].observed_at == NOW  # no finishedAt: when it was seen
-
-
-def test_force_deletion_eviction_and_node_readiness() -> None:
-    deleted = pod()
-    deleted["metadata"]["deletionGracePeriodSeconds"] = 0
-    forced = force_delete_fault(deleted, NOW)
-    assert forced is not None
-    assert (forced.kind, forced.id) == (FaultKind.POD_FORCE_DELETED, "forcedelete/u1")
-    graceful = pod()
-    graceful["metadata"]["deletionGracePeriodSeconds"] = 30
-    assert force_delete_fault(graceful, NOW) is None
-    deleted["status"]["phase"] = "Failed"  # it had terminated already
-    assert force_delete_fault(deleted, NOW) is None
-
-    assert eviction_fault(pod(), NOW) is None
-    evicted = eviction_fault(pod(reason="Evicted", message="low on memory"), NOW)
-    assert evicted is not None
-    assert (evicted.kind, evicted.id, evicted.detail) == (
-        FaultKind.POD_EVICTED,
-        "evicted/u1",
-        "low on memory",
-    )
-    disrupted = pod(
-        conditions=[
-            {"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler"}
-        ]
-    )
-    fault = eviction_fault(disrupted, NOW)
-    assert fault is not None
-    assert fault.reason == "PreemptionByScheduler"
-
+def test_node_readiness() -> None:
     def node(status: str) -> dict[str, Any]:
         condition = {
             "type": "Ready",
@@ -181,6 +117,7 @@ def test_the_replacement_keeps_the_pod_and_drops_its_binding() -> None:
         RESTART_COUNT_ANNOTATION: "1",
         BASE_NAME_ANNOTATION: "job-worker-3",
         "edl.io/replaces": "job-worker-3",
+        "edl.io/replaces-uid": old["metadata"]["uid"],  # its end is ours, for every restarter
     }
     assert set(meta) == {"name", "labels", "annotations"}
     assert "nodeName" not in new["spec"]
@@ -238,27 +175,3 @@ def test_the_anti_affinity_is_added_to_every_existing_term() -> None:
         t["matchFields"] == [{"key": "metadata.name", "operator": "NotIn", "values": ["n1"]}]
         for t in got
     )
-
-
-def test_the_restarter_command_line() -> None:
-    parser = argparse.ArgumentParser()
-    cli.add_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["restarter"])
-    assert (args.listen, args.kubeconfig, args.namespaces) == (":8443", "", [])
-    assert (args.agent_service_account, args.audience) == ("edl-system/edl-agent", "edl-restarter")
-    assert args.node_grace_seconds == 40.0
-    assert args.handler is cli.run
-    args = parser.parse_args(
-        [
-            "restarter",
-            "--listen",
-            "",
-            "--namespace",
-            "a",
-            "--namespace",
-            "b",
-            "--node-grace-seconds",
-            "5",
-        ]
-    )
-    assert (args.listen, args.namespaces, args.node_grace_seconds) == ("", ["a", "b"], 5.0)

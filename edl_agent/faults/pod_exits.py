@@ -3,9 +3,10 @@
 One thread lists the pods on the node (field selector `spec.nodeName=<node>`, every namespace)
 and then watches them from the list's resourceVersion. Every container (init containers too,
 ephemeral debug containers not) whose `state.terminated` or `lastState.terminated` has a
-non-zero `exitCode` becomes a CONTAINER_EXIT fault whose id comes from `ids.container_exit_id`,
-so the same exit seen again (in the next MODIFIED event, after a re-list, after an agent
-restart, or by the restarter's own watcher) carries the same id. Ids already handed on are
+non-zero `exitCode` becomes a CONTAINER_EXIT fault built by `pod_faults.container_exit_faults`
+(the restarter's watcher builds its own the same way), so the same exit seen again (in the next
+MODIFIED event, after a re-list, after an agent restart, or by the restarter's own watcher)
+carries the same id. Ids already handed on are
 remembered (the newest `REMEMBERED`) so that a pod's later status updates do not enqueue its
 exits again; after a restart the outbox and the restarter's intake answer them as duplicates.
 
@@ -13,6 +14,9 @@ The watch is started again whenever the server ends it, from a fresh list after 
 after a back-off (doubling up to `retry_max_seconds`) on any other failure; a failure is logged
 and counted, never the end of the watching. RBAC cannot restrict `list`/`watch` of pods to one
 node: the field selector is ours.
+
+The watcher also keeps the node's pods as last seen (`pod(namespace, name)`), so that a device
+fault can name the pods holding the device with their uids and be dated no earlier than them.
 """
 
 from __future__ import annotations
@@ -25,61 +29,21 @@ from typing import Any
 
 from edl_agent.backoff import backoff_delay
 from edl_agent.bounded import BoundedSet
-from edl_agent.faults.ids import container_exit_id
-from edl_agent.faults.model import Fault, FaultKind, PodRef
+from edl_agent.faults.model import Fault
+from edl_agent.faults.pod_faults import container_exit_faults, pod_ref
 from edl_agent.kube import NodeApi
-from edl_agent.kube_time import parse_time
 from edl_agent.kube_watch import WatchLoop
 
 REMEMBERED = 10_000
-MAX_DETAIL = 512
-# Not ephemeral containers: a `kubectl debug` shell that exits non-zero says nothing about the
-# workload (the restarter's watcher does not count them either).
-STATUS_LISTS = ("initContainerStatuses", "containerStatuses")
+SOURCE = "agent"
 
 
 def container_exits(
-    pod: Mapping[str, Any], node: str, *, now: Callable[[], datetime] = lambda: datetime.now(UTC)
+    pod: Mapping[str, Any], *, now: Callable[[], datetime] = lambda: datetime.now(UTC)
 ) -> list[Fault]:
-    """The non-zero container exits recorded in one pod's status, as faults (pure)."""
-    metadata = pod.get("metadata") or {}
-    ref = PodRef(
-        namespace=str(metadata.get("namespace", "")),
-        name=str(metadata.get("name", "")),
-        uid=str(metadata.get("uid", "")),
-    )
-    status = pod.get("status") or {}
-    faults: list[Fault] = []
-    for key in STATUS_LISTS:
-        for container in status.get(key) or ():
-            name = str(container.get("name", ""))
-            restarts = int(container.get("restartCount") or 0)
-            # The exit in lastState happened before the restart that bumped restartCount.
-            for which, restart_count in (("state", restarts), ("lastState", restarts - 1)):
-                terminated = (container.get(which) or {}).get("terminated")
-                if not terminated:
-                    continue
-                exit_code = int(terminated.get("exitCode") or 0)
-                if exit_code == 0:
-                    continue
-                if restart_count < 0:
-                    continue  # a status no kubelet writes: no number for this exit
-                finished = parse_time(terminated.get("finishedAt"))
-                fault_id = container_exit_id(ref.uid, name, restart_count)
-                faults.append(
-                    Fault(
-                        id=fault_id,
-                        kind=FaultKind.CONTAINER_EXIT,
-                        node=node,
-                        observed_at=finished or now(),
-                        pods=(ref,),
-                        container=name,
-                        exit_code=exit_code,
-                        reason=str(terminated.get("reason") or "Error"),
-                        detail=str(terminated.get("message") or "")[:MAX_DETAIL],
-                    )
-                )
-    return faults
+    """The non-zero container exits recorded in one pod's status, as the agent reports them
+    (pure; `pod_faults.container_exit_faults`, which the restarter's watcher uses too)."""
+    return container_exit_faults(pod, now=now(), source=SOURCE)
 
 
 class PodExitWatcher(WatchLoop):
@@ -108,14 +72,24 @@ class PodExitWatcher(WatchLoop):
         self._listed = threading.Event()
         self._reported = BoundedSet(REMEMBERED)
         self._selector = f"spec.nodeName={node}"
+        self._pods_lock = threading.Lock()
+        self._pods: dict[tuple[str, str], Mapping[str, Any]] = {}  # (namespace, name) → pod
 
     def wait_listed(self, timeout: float) -> bool:
         """True once the node's pods have been listed at least once."""
         return self._listed.wait(timeout)
 
+    def pod(self, namespace: str, name: str) -> Mapping[str, Any] | None:
+        """The node's pod by that name as last listed or watched; None when not seen (yet)."""
+        with self._pods_lock:
+            return self._pods.get((namespace, name))
+
     def _list(self) -> str | None:
         listing = self.api.list_pods(self._selector)
-        for pod in listing.get("items") or ():
+        items = listing.get("items") or ()
+        with self._pods_lock:
+            self._pods = {_key(pod): pod for pod in items}
+        for pod in items:
             self._observe(pod)
         self._listed.set()
         version = (listing.get("metadata") or {}).get("resourceVersion")
@@ -131,11 +105,18 @@ class PodExitWatcher(WatchLoop):
         for kind, pod in stream:
             version = (pod.get("metadata") or {}).get("resourceVersion") or version
             if kind in ("ADDED", "MODIFIED"):
+                with self._pods_lock:
+                    self._pods[_key(pod)] = pod
                 self._observe(pod)
+            elif kind == "DELETED":
+                with self._pods_lock:
+                    kept = self._pods.get(_key(pod))
+                    if kept is not None and pod_ref(kept).uid == pod_ref(pod).uid:
+                        del self._pods[_key(pod)]
         return version
 
     def _observe(self, pod: Mapping[str, Any]) -> None:
-        for fault in container_exits(pod, self.node):
+        for fault in container_exits(pod):
             if fault.id in self._reported:
                 continue
             self.on_fault(fault)
@@ -148,3 +129,8 @@ class PodExitWatcher(WatchLoop):
             maximum=self.retry_max_seconds,
             jitter=random.random(),  # noqa: S311 - spreading retries, not secrets
         )
+
+
+def _key(pod: Mapping[str, Any]) -> tuple[str, str]:
+    ref = pod_ref(pod)
+    return ref.namespace, ref.name

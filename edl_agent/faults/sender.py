@@ -3,9 +3,16 @@
 Every call carries the agent's ServiceAccount token as `authorization: Bearer <token>`, read from
 the token file each time since kubelet rotates projected tokens. Accepted and duplicate faults
 leave the outbox; refused ones are logged, counted and dropped too, since a refusal does not
-change on retry. A call that fails as a whole (restarter down, TLS, auth, a missing token file)
-leaves the batch in the outbox and is retried with exponential backoff and jitter. An enqueue
-wakes the sender at once; `stop()` sends nothing more and leaves the outbox on disk.
+change on retry. A call that fails as a whole (restarter down or unable to record the faults:
+UNAVAILABLE; TLS, auth, a missing token file) leaves the batch in the outbox and is retried with
+exponential backoff and jitter; so is a call that answered none of its faults.
+
+A fault the restarter answers without a verdict (VERDICT_UNSPECIFIED, its reason
+`retry_later: ...`: its pod cache does not show the pod or the exit yet) or leaves unanswered
+(it answers at most so many a call) stays in the outbox and goes again: at once when the call
+settled other faults, else after `retry_later` seconds or the next enqueue, whichever comes
+first; it is no call failure. An enqueue wakes the sender at once; `stop()` sends nothing more
+and leaves the outbox on disk.
 """
 
 from __future__ import annotations
@@ -51,6 +58,8 @@ class SenderSettings:
     call_timeout: float = 10.0
     backoff_initial: float = 0.5
     backoff_max: float = 30.0
+    retry_later: float = 1.0
+    """Seconds before faults the restarter asked to be sent again later go again."""
 
 
 @dataclass(frozen=True)
@@ -59,11 +68,17 @@ class SenderCounts:
     duplicates: int = 0
     refused: int = 0
     call_failures: int = 0
+    deferred: int = 0  # faults the restarter asked to be sent again later (each time)
     errors: int = 0  # unexpected exceptions in the loop (logged with their traceback)
 
 
 class CallFailed(Exception):
     """A call that brought no verdict; its batch stays in the outbox."""
+
+
+class SendLater(Exception):
+    """A call that settled none of its faults but was answered: the restarter asked for them
+    again later (or left them unanswered); they stay in the outbox."""
 
 
 class Sender:
@@ -135,6 +150,9 @@ class Sender:
                 continue
             try:
                 self._deliver(batch)
+            except SendLater:
+                self._wake.wait(self._settings.retry_later)  # an enqueue or stop wakes it
+                continue
             except CallFailed as exc:
                 failures += 1
                 self._count(call_failures=1)
@@ -176,23 +194,33 @@ class Sender:
         acks = {ack.fault_id: ack for ack in response.acks}
         done: list[str] = []
         refused: list[tuple[str, str]] = []
-        unanswered = 0
+        later = unanswered = 0
         for fault in batch:
             ack = acks.get(fault.id)
-            if ack is None or ack.verdict == fault_pb2.VERDICT_UNSPECIFIED:
+            if ack is None:
                 unanswered += 1
+            elif ack.verdict == fault_pb2.VERDICT_UNSPECIFIED:
+                later += 1  # the restarter's cache may be behind us: again later
             elif ack.verdict == fault_pb2.VERDICT_REFUSED:
                 refused.append((fault.id, ack.reason))
             else:
                 done.append(fault.id)
         self._outbox.ack([*done, *(fault_id for fault_id, _ in refused)])
         duplicates = sum(acks[i].verdict == fault_pb2.VERDICT_DUPLICATE for i in done)
-        self._count(accepted=len(done) - duplicates, duplicates=duplicates, refused=len(refused))
+        self._count(
+            accepted=len(done) - duplicates,
+            duplicates=duplicates,
+            refused=len(refused),
+            deferred=later,
+        )
         for fault_id, reason in refused:
             log.warning("the restarter refused a fault; dropped", fault_id=fault_id, reason=reason)
-        if unanswered:
-            msg = f"the restarter answered {len(batch) - unanswered} of {len(batch)} faults"
-            raise CallFailed(msg)
+        if done or refused:
+            return  # progress: the rest goes with the next batch at once
+        if later:
+            raise SendLater
+        msg = f"the restarter answered none of {len(batch)} faults"
+        raise CallFailed(msg)
 
     def _token(self) -> str:
         try:

@@ -4,8 +4,9 @@ Order matters (see `decide`): the controller persists a decision's record throug
 (a PUT of the status subresource carrying the resourceVersion it read, so a concurrent writer
 makes it fail with `Conflict` and the caller re-reads and decides again) and only then calls
 `replace`. A bare pod is created again under a new name, `<base>-r<count>`, and then deleted
-(grace 0 when its node is gone). The replacement has the same labels, annotations and spec
-without the node binding, the restart count in annotation `edl.io/restart-count` and env
+(grace 0 when its node is gone). The replacement has the same labels (but those on the drop
+list, `replacement.drop_labels`: what controllers stamp on one specific pod), annotations and
+spec without the node binding, the restart count in annotation `edl.io/restart-count` and env
 `EDL_RESTART_COUNT` of every container, and for node and device faults a required node
 affinity away from the failed node. The name depends only on the count, so a retried
 replacement finds its pod already there (AlreadyExists) instead of making a second. A pod a
@@ -15,8 +16,7 @@ controller owns (a Job, a StatefulSet) is only deleted: its controller makes the
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import structlog
@@ -25,7 +25,13 @@ from kubernetes import client
 from edl_agent.faults.model import FaultKind
 from edl_agent.kube import CONFLICT, NOT_FOUND, ApiError
 from edl_agent.kube import call_json as _call
-from edl_agent.restarter.watchers import DELETED_BY_ANNOTATION, RESTARTER
+from edl_agent.restarter.port import Conflict, Replacement
+from edl_agent.restarter.settings import DEFAULT_DROP_LABELS, label_dropped
+from edl_agent.restarter.watchers import (
+    DELETED_BY_ANNOTATION,
+    REPLACES_UID_ANNOTATION,
+    RESTARTER,
+)
 
 UNPROCESSABLE = 422
 
@@ -43,28 +49,23 @@ _POD_META_KEPT = ("labels", "annotations")
 _POD_SPEC_DROPPED = ("nodeName", "ephemeralContainers")
 
 
-class Conflict(Exception):
-    """The policy changed since it was read: read it again and decide again."""
-
-
-@dataclass(frozen=True)
-class Replacement:
-    old: str
-    new: str | None  # None: deleted only (controller-owned), or nothing to replace
-    forced: bool
-
-
 class Actuator:
     def __init__(
         self,
         api: client.ApiClient,
         *,
         before_delete: Callable[[str], None] = lambda _uid: None,
+        drop_labels: Iterable[str] | None = None,
+        on_write: Callable[[str], None] = lambda _what: None,
     ) -> None:
-        """`before_delete(uid)` runs before each deletion (the watcher's `ignore_uid`)."""
+        """`before_delete(uid)` runs before each deletion (the watcher's `ignore_uid`);
+        `drop_labels`: the labels replacements do not get (None: `DEFAULT_DROP_LABELS`);
+        `on_write(what)` counts each write (`status`, `create`, `mark`, `delete`)."""
+        self._on_write = on_write
         self._core: Any = client.CoreV1Api(api)
         self._objects: Any = client.CustomObjectsApi(api)
         self._before_delete = before_delete
+        self._drop_labels = tuple(DEFAULT_DROP_LABELS if drop_labels is None else drop_labels)
 
     # --- policies ------------------------------------------------------------------------
 
@@ -87,6 +88,7 @@ class Actuator:
             "spec": policy.get("spec", {}),
             "status": dict(status),
         }
+        self._on_write("status")
         try:
             return _call(
                 self._objects.replace_namespaced_custom_object_status,
@@ -131,21 +133,26 @@ class Actuator:
             log.info("deleted a controller-owned pod", pod=f"{namespace}/{name}", force=force)
             return Replacement(name, None, force)
         avoid = failed_node if fault_kind in NODE_FAULTS and failed_node else None
-        body = replacement_pod(pod, avoid_node=avoid)
+        body = replacement_pod(pod, avoid_node=avoid, drop_labels=self._drop_labels)
         new_name = body["metadata"]["name"]
+        self._on_write("create")
         try:
             _call(self._core.create_namespaced_pod, namespace, body)
         except ApiError as exc:
             if exc.status != ALREADY_EXISTS:
                 raise
             log.info("replacement exists already", pod=f"{namespace}/{new_name}")
-        self._delete(pod, force=force)
+        # No deletion mark: the replacement names this pod's uid, which tells any restarter
+        # that its end is ours (one write fewer per restart).
+        self._delete(pod, force=force, mark=False)
         log.info(
             "pod replaced", old=f"{namespace}/{name}", new=f"{namespace}/{new_name}", force=force
         )
         return Replacement(name, new_name, force)
 
-    def _delete(self, pod: Mapping[str, Any], *, force: bool) -> None:
+    def _delete(self, pod: Mapping[str, Any], *, force: bool, mark: bool = True) -> None:
+        """Delete `pod` if it is still the pod of that uid; with `mark`, first annotate it as
+        deleted by us (a controller-owned pod has no replacement to say so)."""
         meta = pod["metadata"]
         namespace, name, uid = meta["namespace"], meta["name"], meta.get("uid", "")
         self._before_delete(uid)
@@ -155,17 +162,20 @@ class Actuator:
         if uid:
             patch["metadata"]["uid"] = uid
         try:
-            _call(
-                self._core.patch_namespaced_pod,
-                name,
-                namespace,
-                patch,
-                _content_type="application/merge-patch+json",
-            )
+            if mark:
+                self._on_write("mark")
+                _call(
+                    self._core.patch_namespaced_pod,
+                    name,
+                    namespace,
+                    patch,
+                    _content_type="application/merge-patch+json",
+                )
             body = client.V1DeleteOptions(
                 grace_period_seconds=0 if force else None,
                 preconditions=client.V1Preconditions(uid=uid) if uid else None,
             )
+            self._on_write("delete")
             _call(self._core.delete_namespaced_pod, name, namespace, body=body)
         except ApiError as exc:
             # Gone, or another pod by that name: the delete's uid precondition answers 409, the
@@ -175,8 +185,14 @@ class Actuator:
             log.info("pod already gone or replaced; left alone", pod=f"{namespace}/{name}", uid=uid)
 
 
-def replacement_pod(pod: Mapping[str, Any], *, avoid_node: str | None) -> dict[str, Any]:
-    """The pod to create in place of `pod` (a dict as the API returned it)."""
+def replacement_pod(
+    pod: Mapping[str, Any],
+    *,
+    avoid_node: str | None,
+    drop_labels: Iterable[str] = DEFAULT_DROP_LABELS,
+) -> dict[str, Any]:
+    """The pod to create in place of `pod` (a dict as the API returned it), with its labels but
+    those matching `drop_labels` (keys, or prefixes ending in `*`)."""
     meta = pod["metadata"]
     annotations = dict(meta.get("annotations") or {})
     annotations.pop(DELETED_BY_ANNOTATION, None)
@@ -187,10 +203,16 @@ def replacement_pod(pod: Mapping[str, Any], *, avoid_node: str | None) -> dict[s
             RESTART_COUNT_ANNOTATION: str(count),
             BASE_NAME_ANNOTATION: base,
             REPLACES_ANNOTATION: str(meta["name"]),
+            REPLACES_UID_ANNOTATION: str(meta.get("uid", "")),
         }
     )
     new_meta: dict[str, Any] = {k: copy.deepcopy(meta[k]) for k in _POD_META_KEPT if k in meta}
     new_meta["annotations"] = annotations
+    if new_meta.get("labels"):
+        drop = tuple(drop_labels)
+        new_meta["labels"] = {
+            k: v for k, v in new_meta["labels"].items() if not label_dropped(k, drop)
+        }
     new_meta["name"] = f"{base[:MAX_BASE].rstrip('-.')}-r{count}"
     spec = copy.deepcopy(dict(pod.get("spec") or {}))
     for key in _POD_SPEC_DROPPED:

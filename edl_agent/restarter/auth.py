@@ -5,7 +5,8 @@ The rules: a call needs a bearer token that TokenReview authenticates as the age
 ServiceAccount; each fault in it must be about the node the token is bound to (kubelet gives
 the agent's pod a token bound to that pod, which names the pod's node in the user's extra
 `authentication.kubernetes.io/node-name`). A token not bound to a pod on a node may report
-about no node.
+about no node. What the restarter's pod cache says about the pods a fault names is judged in
+`evidence`.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class Refusal(enum.StrEnum):
     INVALID_FAULT = "invalid_fault"  # no id, kind, node or time
     TOO_MANY_PODS = "too_many_pods"  # more pods than can hold one device
     POD_ELSEWHERE = "pod_elsewhere"  # a named pod runs on another node (or is another pod)
+    POD_UNKNOWN = "pod_unknown"  # a named pod the pod cache did not show, even after its lag
+    EXIT_NOT_SEEN = "exit_not_seen"  # a container exit the pod's status does not show
 
 
 @dataclass(frozen=True)

@@ -1,23 +1,27 @@
 """The restarter's loop: faults in (intake and watchers), decisions and replacements out.
 
-Faults queue up for a dispatcher thread, which drops duplicates, asks the storm guard, and hands
-each pod of a fault to one of `workers` threads chosen by the policy that covers the pod, so the
-faults of one policy are decided in order while different policies proceed in parallel (and
-two writers of one policy's status would still be safe: every write is conditional on the
-resourceVersion read). For each pod of a fault: the policy that covers it (from
-a list+watch of FaultTolerancePolicy objects; a malformed one gets condition SpecValid=False in
-its status and covers nothing), then read the policy, `decide`, persist the decision's status
-with the read resourceVersion (on a conflict read and decide again), and only then act: Restart
-replaces the pods of its scope, Backoff decides again at `until`, the others are only recorded.
-Each decision is logged with its reason, counted in the metrics, and a Restart or a reached
-limit is an Event on the policy. A fault id is handled once (an agent's report and the watcher's
-observation of the same exit carry the same id).
+The decisions themselves are pure (`dispatch` drops duplicates, holds node faults in a storm and
+keeps the backoff schedule; `plan` decides a batch of faults under one policy and says what to
+record); this module only moves faults between threads and carries out what those say,
+through two small ports (`port`): on a real API server `Actuator` and `ClusterWatcher`, in
+tests `memory.InMemoryCluster`.
 
-A Restart is written to the status together with the pods it is about to replace
-(`pendingRestarts`) and removed from there once they are replaced; the worker's first job after
-a start is to finish what is pending, so a restarter killed mid-replacement neither loses the
-replacement nor makes a second one (replacement names are deterministic) nor counts it twice.
-Node-failure faults wait while the storm guard says too many nodes are failing at once.
+A dispatcher thread takes each fault, asks `Dispatch`, and hands each pod of a fault to one of
+`workers` threads chosen by the policy that covers the pod, so the faults of one policy are
+decided in order while different policies proceed in parallel. A worker takes every task
+waiting for it, decides them together against the policy object last seen, and records them
+all with one status write carrying the resourceVersion read (on a Conflict it reads the
+policy and decides again). Only then does it act: a Restart replaces the pods of its scope
+(recorded as pendingRestarts first), a Backoff is recorded as pendingBackoffs and looked at
+again at `until`. A fault is settled (and later copies are duplicates) once its decisions are
+recorded; `accept` waits for that, so the intake acknowledges an agent's fault only once the
+API holds what became of it.
+
+A restarter that starts (or becomes leader) first finishes the pendingRestarts and schedules
+the pendingBackoffs it finds in the policies: a restarter killed at any moment delays a
+restart, and never loses one nor makes one twice (replacement names are deterministic, deletes
+are conditional on the pod's uid). Pending restarts whose pods are all gone are dropped in the
+next write, or by a tidy pass once the policy is quiet.
 """
 
 from __future__ import annotations
@@ -30,30 +34,29 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
-from datetime import UTC, datetime
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import structlog
 from kubernetes import client
 
-from edl_agent.bounded import BoundedSet
+from edl_agent.backoff import Backoff
 from edl_agent.faults.model import Fault, FaultKind, PodRef
 from edl_agent.kube import ApiError
 from edl_agent.kube_time import format_micro_time
-from edl_agent.restarter.actuator import GROUP, PLURAL, VERSION, Actuator, Conflict
-from edl_agent.restarter.decide import Action, Decision, decide
+from edl_agent.restarter.actuator import GROUP, PLURAL, VERSION, Actuator
+from edl_agent.restarter.covering import PolicyIndex
+from edl_agent.restarter.decide import Action, Decision
+from edl_agent.restarter.dispatch import Admission, Dispatch
 from edl_agent.restarter.events import EventWriter, reference
 from edl_agent.restarter.metrics import RestarterMetrics
+from edl_agent.restarter.plan import Plan, Pod, Task, plan, tidy
+from edl_agent.restarter.pod_cache import is_whole
 from edl_agent.restarter.policy import Policy, RestartScope
+from edl_agent.restarter.port import ClusterPort, Conflict, PodView
 from edl_agent.restarter.spec import parse_policy
-from edl_agent.restarter.status import (
-    PendingRestart,
-    finish_restart,
-    pending_restarts,
-    read_job,
-    record_decision,
-)
+from edl_agent.restarter.status import PendingRestart, pending_backoffs, pending_restarts
 from edl_agent.restarter.storm import StormGuard
 from edl_agent.restarter.watchers import ClusterWatcher, ListWatch, deleted_by_us, pod_ref
 from edl_agent.typed import SchemaError
@@ -62,65 +65,118 @@ log = structlog.get_logger(__name__)
 
 SPEC_VALID = "SpecValid"
 DECIDE_ATTEMPTS = 5
-KEEP_IDS = 100_000
 SYNC_TIMEOUT = 300.0
+BATCH = 512
+TICK = 0.2
+CHECK_EVERY = 2.0
+# A recorded restart whose pods are still there this long after it was decided is carried out
+# again (its replacement failed, or the replica that decided it died mid-way).
+RESUME_AFTER = timedelta(seconds=10)
+# Finished pending restarts leave the status with the policy's next decision; a policy without
+# one for this long gets a write of its own for them.
+TIDY_AFTER = 60.0
+RETRY_INITIAL, RETRY_MAX = 1.0, 30.0
+
+
+class NotRecorded(Exception):
+    """A fault could not be recorded now (the API refused or did not answer, or it took too
+    long); its sender should send it again."""
+
+
+@dataclass
+class _Waiter:
+    done: threading.Event = field(default_factory=threading.Event)
+    error: str | None = None
 
 
 @dataclass(frozen=True)
 class _Item:
     fault: Fault
-    retry: bool = False  # a Backoff's second look: not a duplicate
+    waiter: _Waiter | None = None
+    retry: bool = False  # a Backoff's second look, a held fault released: not a duplicate
 
 
-@dataclass(frozen=True)
-class _Task:
-    fault: Fault
-    pod: dict[str, Any]
-    ref: PodRef
-    policy: str
+@dataclass
+class _Progress:
+    """The tasks of one fault still to be recorded, and whether all went well so far."""
+
+    left: int
+    ok: bool = True
 
 
 class Controller:
     def __init__(
         self,
-        api: client.ApiClient,
+        api: client.ApiClient | None = None,
         *,
+        port: ClusterPort | None = None,
+        pods: PodView | None = None,
         namespaces: Iterable[str] = (),
         node_grace: float = 40.0,
         storm: StormGuard | None = None,
         metrics: RestarterMetrics | None = None,
         events: EventWriter | None = None,
         storm_object: Mapping[str, str] | None = None,
-        workers: int = 8,
+        workers: int = 16,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+        drop_labels: Iterable[str] | None = None,
+        tidy_after: float = TIDY_AFTER,
     ) -> None:
-        """`storm_object`: the object (see `events.reference`) storm Events are about."""
+        """With `api`, the ports are the API server's (pods, nodes and policies watched);
+        without, `port` and `pods` are required and policies arrive through `policy_event`.
+        `storm_object`: the object (see `events.reference`) storm Events are about."""
         self._clock = clock
         self._namespaces = list(namespaces)
-        self._storm = storm or StormGuard()
         self.metrics = metrics or RestarterMetrics()
-        self._events = events or EventWriter(api, instance=socket.gethostname())
+        self._events = events
         self._storm_object = storm_object
-        self._held: dict[str, Fault] = {}
-        self._storming = False
+        self._dispatch: Dispatch[_Waiter] = Dispatch(storm or StormGuard())
         self.recovered = threading.Event()
-        self.watcher = ClusterWatcher(
-            api, on_fault=self.submit, namespaces=self._namespaces, node_grace=node_grace
-        )
-        self.actuator = Actuator(api, before_delete=self.watcher.ignore_uid)
+        self.watcher: ClusterWatcher | None = None
+        self._policy_watches: list[ListWatch] = []
+        if api is not None:
+            self._events = events or EventWriter(api, instance=socket.gethostname())
+            self.watcher = ClusterWatcher(
+                api, on_fault=self.submit, namespaces=self._namespaces, node_grace=node_grace
+            )
+            port = port or Actuator(
+                api,
+                before_delete=self.watcher.ignore_uid,
+                drop_labels=drop_labels,
+                on_write=lambda what: self.metrics.api_writes.labels(what).inc(),
+            )
+            pods = pods or self.watcher
+            self._watch_policies(api)
+        if port is None or pods is None:
+            msg = "Controller needs an API client, or both a port and a pod view"
+            raise TypeError(msg)
+        self.port: ClusterPort = port
+        self.pods: PodView = pods
         self._queue: queue.Queue[_Item] = queue.Queue()
         self._busy = 0  # faults and tasks in hand (under _lock)
         self.metrics.queue_depth.set_function(self.queue_depth)
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._policies: dict[tuple[str, str], Policy | None] = {}
+        self._index = PolicyIndex()
         # The newest policy objects seen (watch events and our own writes): decisions start
         # from them instead of a read; a stale one costs a Conflict and a read.
         self._latest: dict[tuple[str, str], dict[str, Any]] = {}
-        self._seen = BoundedSet(KEEP_IDS)
-        self._timers: set[threading.Timer] = set()
+        self._progress: dict[str, _Progress] = {}
+        self._replacing: set[tuple[str, str, str]] = set()  # (namespace, job, fault id)
+        self._retries: dict[str, Backoff] = {}
+        self._last_check = 0.0
+        self._tidy_after = tidy_after
+        self._last_write: dict[tuple[str, str], float] = {}  # policy → monotonic time
+        self._worker = threading.Thread(target=self._work, name="restarter", daemon=True)
+        self._tasks: list[queue.Queue[Task | None]] = [queue.Queue() for _ in range(workers)]
+        self._workers = [
+            threading.Thread(target=self._decide_tasks, args=(q,), name=f"decide-{i}", daemon=True)
+            for i, q in enumerate(self._tasks)
+        ]
+
+    def _watch_policies(self, api: client.ApiClient) -> None:
         objects: Any = client.CustomObjectsApi(api)
-        self._policy_watches = []
         scopes: list[str | None] = [*self._namespaces] or [None]
         for namespace in scopes:
 
@@ -133,48 +189,47 @@ class Controller:
                 ListWatch(
                     f"policies/{namespace or '*'}",
                     call,
-                    on_list=functools.partial(self._policies_listed, namespace),
-                    on_event=self._policy_event,
+                    on_list=functools.partial(self.policies_listed, namespace),
+                    on_event=self.policy_event,
                 )
             )
-        self._worker = threading.Thread(target=self._work, name="restarter", daemon=True)
-        self._tasks: list[queue.Queue[_Task | None]] = [queue.Queue() for _ in range(workers)]
-        self._workers = [
-            threading.Thread(target=self._decide_tasks, args=(q,), name=f"decide-{i}", daemon=True)
-            for i, q in enumerate(self._tasks)
-        ]
 
     # --- lifecycle -----------------------------------------------------------------------
 
     def start(self) -> None:
-        self._events.start()
+        if self._events is not None:
+            self._events.start()
         for watch in self._policy_watches:
             watch.start()
-        self.watcher.start()
+        if self.watcher is not None:
+            self.watcher.start()
         self._worker.start()
         for worker in self._workers:
             worker.start()
 
     def wait_synced(self, timeout: float = 30.0) -> bool:
-        return all(w.synced.wait(timeout) for w in self._policy_watches) and (
-            self.watcher.wait_synced(timeout)
-        )
+        policies = all(w.synced.wait(timeout) for w in self._policy_watches)
+        return policies and (self.watcher is None or self.watcher.wait_synced(timeout))
 
     def stop(self) -> None:
         self._stopping.set()
-        with self._lock:
-            timers = list(self._timers)
-        for timer in timers:
-            timer.cancel()
-        self.watcher.stop()
+        if self.watcher is not None:
+            self.watcher.stop()
         for watch in self._policy_watches:
             watch.stop()
-        self._worker.join(timeout=10)
+        if self._worker.is_alive():
+            self._worker.join(timeout=10)
         for tasks in self._tasks:
             tasks.put(None)
         for worker in self._workers:
-            worker.join(timeout=10)
-        self._events.stop()
+            if worker.is_alive():
+                worker.join(timeout=10)
+        if self._events is not None:
+            self._events.stop()
+        with self._lock:
+            waiting = list(self._progress)
+        for fault_id in waiting:
+            self._settle(fault_id, recorded=False, error="the restarter is stopping")
 
     def knows_policy(self, namespace: str, name: str) -> bool:
         """Whether the policy watch has seen this policy (valid or not)."""
@@ -192,25 +247,40 @@ class Controller:
         return self._worker.is_alive() and all(w.is_alive() for w in self._workers)
 
     def submit(self, fault: Fault) -> None:
-        """Queue a fault (the intake's and the watcher's sink); returns at once."""
+        """Queue a fault (the watcher's sink); returns at once."""
         self._queue.put(_Item(fault))
+
+    def accept(self, fault: Fault, timeout: float = 8.0) -> None:
+        """Queue a fault and return once what becomes of it is recorded in the API (the
+        intake's sink: only then may the agent drop it). `NotRecorded` when it could not be
+        recorded within `timeout`; the fault may still be recorded later, and a copy sent
+        again then joins it or is answered as a duplicate."""
+        waiter = _Waiter()
+        self._queue.put(_Item(fault, waiter))
+        if not waiter.done.wait(timeout):
+            msg = f"fault {fault.id} not recorded within {timeout:g}s"
+            raise NotRecorded(msg)
+        if waiter.error is not None:
+            raise NotRecorded(waiter.error)
 
     # --- policies ------------------------------------------------------------------------
 
-    def _policies_listed(self, namespace: str | None, items: list[dict[str, Any]]) -> None:
+    def policies_listed(self, namespace: str | None, items: list[dict[str, Any]]) -> None:
         with self._lock:
             for key in [k for k in self._policies if namespace is None or k[0] == namespace]:
                 del self._policies[key]
+                self._index.remove(*key)
                 self._latest.pop(key, None)
         for item in items:
-            self._policy_event("ADDED", item)
+            self.policy_event("ADDED", item)
 
-    def _policy_event(self, kind: str, obj: dict[str, Any]) -> None:
+    def policy_event(self, kind: str, obj: dict[str, Any]) -> None:
         meta = obj.get("metadata") or {}
         key = (str(meta.get("namespace", "")), str(meta.get("name", "")))
         if kind == "DELETED":
             with self._lock:
                 self._policies.pop(key, None)
+                self._index.remove(*key)
                 self._latest.pop(key, None)
             return
         policy: Policy | None
@@ -222,6 +292,7 @@ class Controller:
             log.warning("malformed FaultTolerancePolicy", policy="/".join(key), error=problem)
         with self._lock:
             self._policies[key] = policy
+            self._index.put(*key, policy)
         self._remember(obj)
         self._mark_valid(obj, problem)
 
@@ -233,18 +304,22 @@ class Controller:
             if old is None or _version(old) <= _version(obj):
                 self._latest[key] = dict(obj)
 
+    def _written(self, obj: Mapping[str, Any]) -> None:
+        """A policy as our own status write returned it."""
+        self._remember(obj)
+        meta = obj.get("metadata") or {}
+        with self._lock:
+            self._last_write[(str(meta.get("namespace")), str(meta.get("name")))] = time.monotonic()
+
     def _policy_object(self, namespace: str, name: str, *, fresh: bool) -> dict[str, Any]:
         if not fresh:
             with self._lock:
                 cached = self._latest.get((namespace, name))
             if cached is not None:
                 return cached
-        obj = self.actuator.read_policy(namespace, name)
+        obj = self.port.read_policy(namespace, name)
         self._remember(obj)
         return obj
-
-    def _write_status(self, obj: Mapping[str, Any], status: Mapping[str, Any]) -> None:
-        self._remember(self.actuator.write_status(obj, status))
 
     def _mark_valid(self, obj: dict[str, Any], problem: str | None) -> None:
         status = dict(obj.get("status") or {})
@@ -265,7 +340,7 @@ class Controller:
         }
         status["conditions"] = [c for c in conditions if c.get("type") != SPEC_VALID] + [condition]
         try:
-            self.actuator.write_status(obj, status)
+            self.port.write_status(obj, status)
         except (Conflict, ApiError) as exc:
             log.info("could not write the policy's condition; next event retries", error=str(exc))
 
@@ -273,11 +348,7 @@ class Controller:
         self, namespace: str, ref: PodRef, labels: Mapping[str, str]
     ) -> tuple[str, Policy] | None:
         with self._lock:
-            found = sorted(
-                (name, policy)
-                for (ns, name), policy in self._policies.items()
-                if ns == namespace and policy is not None and policy.identify(ref, labels)
-            )
+            found = self._index.covering(namespace, ref, labels)
         if len(found) > 1:
             log.warning(
                 "several policies cover a pod; the first by name decides",
@@ -286,7 +357,7 @@ class Controller:
             )
         return found[0] if found else None
 
-    # --- the worker ----------------------------------------------------------------------
+    # --- the dispatcher ------------------------------------------------------------------
 
     def _work(self) -> None:
         deadline = time.monotonic() + SYNC_TIMEOUT
@@ -299,77 +370,191 @@ class Controller:
         try:
             self._recover()
         except Exception:
-            log.exception("finishing pending restarts failed")
+            log.exception("finishing the restarts and backoffs recorded before failed")
         self.recovered.set()
         while not self._stopping.is_set():
             try:
-                item = self._queue.get(timeout=0.2)
+                item = self._queue.get(timeout=TICK)
             except queue.Empty:
-                self._check_storm()
-                continue
-            if not item.retry:
-                with self._lock:
-                    if not self._seen.add(item.fault.id):
-                        log.debug("duplicate fault", fault_id=item.fault.id)
-                        continue
-            if item.fault.kind is FaultKind.NODE_NOT_READY and self._hold_in_storm(item.fault):
+                self._tick()
                 continue
             with self._working():
                 try:
-                    self._handle(item.fault)
+                    self._dispatch_one(item)
                 except Exception:
-                    log.exception("handling a fault failed", fault_id=item.fault.id)
+                    log.exception("dispatching a fault failed", fault_id=item.fault.id)
+                    self._settle(item.fault.id, recorded=False, error="internal error")
+            if self._queue.empty():
+                self._tick()
 
-    # --- the storm guard -----------------------------------------------------------------
+    def _dispatch_one(self, item: _Item) -> None:
+        fault = item.fault
+        with self._lock:
+            self._check_storm()
+            admission = self._dispatch.admit(fault, item.waiter, retry=item.retry)
+            self.metrics.held_faults.set(len(self._dispatch.held))
+        if admission is Admission.DUPLICATE:
+            log.debug("duplicate fault", fault_id=fault.id)
+            _tell(item.waiter, None)
+            return
+        if admission is Admission.JOINED:
+            return
+        if admission is Admission.HELD:
+            log.info("node fault held by the storm guard", fault_id=fault.id, node=fault.node)
+            _tell(item.waiter, None)  # node faults are the watcher's: seen again after a restart
+            return
+        tasks = self._tasks_of(fault)
+        if not tasks:
+            self._settle(fault.id, recorded=True)
+            return
+        with self._lock:
+            self._progress[fault.id] = _Progress(len(tasks))
+        for task in tasks:
+            shard = zlib.crc32(f"{task.ref.namespace}/{task.policy}".encode()) % len(self._tasks)
+            self._tasks[shard].put(task)
 
-    def _hold_in_storm(self, fault: Fault) -> bool:
-        """Hold a node-failure fault while too many nodes fail at once."""
-        self._check_storm()
-        if not self._storming:
-            return False
-        self._held[fault.id] = fault
-        self.metrics.held_faults.set(len(self._held))
-        log.info("node fault held by the storm guard", fault_id=fault.id, node=fault.node)
-        return True
+    def _tasks_of(self, fault: Fault) -> list[Task]:
+        tasks = []
+        for ref in fault.pods:
+            pod = self.pods.find_pod(ref)
+            if pod is None or (ref.uid and pod_ref(pod).uid != ref.uid):
+                log.info("fault about an unknown pod", fault_id=fault.id, pod=ref.name)
+                continue
+            found = pod_ref(pod)
+            if self.pods.replaced(found):
+                # Ours: its slot has a new pod, and the old one's exit as it is deleted (137)
+                # is no fault of the job's.
+                log.debug("fault about a pod already replaced", fault_id=fault.id, pod=found.name)
+                continue
+            labels = (pod.get("metadata") or {}).get("labels") or {}
+            covering = self._covering(found.namespace, found, labels)
+            if covering is None:
+                log.debug("no policy covers the pod", fault_id=fault.id, pod=found.name)
+                continue
+            tasks.append(Task(fault, pod, found, covering[0]))
+        return tasks
+
+    def _settle(self, fault_id: str, *, recorded: bool, error: str | None = None) -> bool:
+        """End a fault's handling; whether anybody waited for it."""
+        with self._lock:
+            self._progress.pop(fault_id, None)
+            waiters = self._dispatch.settle(fault_id, recorded=recorded)
+        for waiter in waiters:
+            _tell(waiter, None if recorded else (error or "not recorded"))
+        return bool(waiters)
+
+    def _task_done(self, task: Task, *, ok: bool, error: str | None = None) -> None:
+        fault = task.fault
+        with self._lock:
+            progress = self._progress.get(fault.id)
+            if progress is None:
+                return
+            progress.left -= 1
+            progress.ok = progress.ok and ok
+            if progress.left > 0:
+                return
+            all_ok = progress.ok
+        waited = self._settle(fault.id, recorded=all_ok, error=error)
+        if all_ok:
+            self._retries.pop(fault.id, None)
+        elif not waited and not self._stopping.is_set():
+            # Nobody waits to send it again (a watcher's fault): look at it again later.
+            backoff = self._retries.setdefault(fault.id, Backoff(RETRY_INITIAL, RETRY_MAX))
+            later = self._clock() + timedelta(seconds=backoff.next_delay())
+            with self._lock:
+                self._dispatch.schedule(fault, later)
+            log.warning("a fault could not be recorded; trying again", fault_id=fault.id)
+
+    # --- ticks: storms, due backoffs, tidying --------------------------------------------
+
+    def _tick(self) -> None:
+        now = self._clock()
+        with self._lock:
+            self._check_storm()
+            due = self._dispatch.due(now)
+        for fault in due:
+            self._queue.put(_Item(fault, retry=True))
+        if time.monotonic() - self._last_check >= CHECK_EVERY:
+            self._last_check = time.monotonic()
+            try:
+                self._check_pending(now)
+            except Exception:
+                log.exception("checking the policies' pending restarts failed")
 
     def _check_storm(self) -> None:
-        failing, total = self.watcher.node_counts()
+        """(Under _lock.)"""
+        failing, total = self.pods.node_counts()
         self.metrics.nodes_not_ready.set(failing)
-        storming = self._storm.storming(failing, total)
-        if storming == self._storming:
+        change = self._dispatch.nodes_seen(failing, total, self.pods.node_not_ready)
+        if change is None:
             return
-        self._storming = storming
-        self.metrics.storm_paused.set(1 if storming else 0)
-        what = self._storm.describe(failing, total)
-        if storming:
-            log.warning("storm guard: node-failure restarts paused", nodes=what)
-            self._event("Warning", "RestartStormPaused", f"node-failure restarts paused: {what}")
+        self.metrics.storm_paused.set(1 if change.storming else 0)
+        self.metrics.held_faults.set(len(self._dispatch.held))
+        if change.storming:
+            log.warning("storm guard: node-failure restarts paused", nodes=change.description)
+            self._event(
+                "Warning",
+                "RestartStormPaused",
+                f"node-failure restarts paused: {change.description}",
+            )
             return
-        held = list(self._held.values())
-        self._held.clear()
-        self.metrics.held_faults.set(0)
-        still = [f for f in held if self.watcher.node_not_ready(f.node)]
+        held = len(change.released) + change.dropped
         log.warning(
             "storm guard: node-failure restarts resume",
-            held=len(held),
-            still_failing=len(still),
+            held=held,
+            still_failing=len(change.released),
             nodes=f"{failing} of {total} NotReady",
         )
         self._event(
             "Normal",
             "RestartStormOver",
             f"node-failure restarts resume ({failing} of {total} nodes NotReady); "
-            f"{len(still)} of {len(held)} held faults are on nodes still failing",
+            f"{len(change.released)} of {held} held faults are on nodes still failing",
         )
-        for fault in still:
+        for fault in change.released:
             self._queue.put(_Item(fault, retry=True))
 
     def _event(self, kind: str, reason: str, message: str, about: Any = None) -> None:
         target = about if about is not None else self._storm_object
-        if target is not None:
+        if target is not None and self._events is not None:
             self._events.emit(target, kind, reason, message)
 
-    # --- restarts a previous run left half done ------------------------------------------
+    def _check_pending(self, now: datetime) -> None:
+        """Carry out again the recorded restarts whose pods are still there well after they were
+        decided; drop the finished ones of policies that have been quiet for a while."""
+        with self._lock:
+            objects = [o for o in self._latest.values() if _has_pending(o)]
+        for obj in objects:
+            meta = obj["metadata"]
+            for pending in pending_restarts(obj):
+                with self._lock:
+                    if (meta["namespace"], pending.job, pending.fault_id) in self._replacing:
+                        continue
+                if now - pending.at >= RESUME_AFTER and not all(map(self._done, pending.pods)):
+                    log.info("carrying out a recorded restart again", fault_id=pending.fault_id)
+                    self._replace_all(pending, meta["namespace"])
+            policy = (str(meta["namespace"]), str(meta["name"]))
+            with self._lock:
+                last = self._last_write.get(policy, 0.0)
+            if time.monotonic() - last >= self._tidy_after:
+                self._write_tidy(*policy)
+
+    def _write_tidy(self, namespace: str, name: str) -> None:
+        for attempt in range(DECIDE_ATTEMPTS):
+            obj = self._policy_object(namespace, name, fresh=attempt > 0)
+            status = tidy(obj, replaced=self._done)
+            if status is None:
+                return
+            try:
+                self._written(self.port.write_status(obj, status))
+                return
+            except Conflict:
+                continue
+            except ApiError as exc:
+                log.info("could not tidy a policy's status; later", policy=name, error=str(exc))
+                return
+
+    # --- restarts and backoffs a previous run left -----------------------------------------
 
     def _recover(self) -> None:
         with self._lock:
@@ -388,80 +573,44 @@ class Controller:
                     fault_id=pending.fault_id,
                     pods=[p.name for p in pending.pods],
                 )
-                self._replace_all(pending, namespace, name)
-
-    def _replace_all(
-        self, pending: PendingRestart, namespace: str, policy: str, pods: list[Any] | None = None
-    ) -> None:
-        """Replace the pods of a recorded Restart (each at most once: a pod already gone is
-        skipped, a replacement already made is found), then drop it from pendingRestarts."""
-        failed = 0
-        for index, ref in enumerate(pending.pods):
-            pod = pods[index] if pods is not None else None
-            if pod is None:
-                pod = self.actuator.read_pod(ref.namespace, ref.name)
-                if pod is None or (ref.uid and pod_ref(pod).uid != ref.uid):
-                    continue  # replaced already
-            node = str((pod.get("spec") or {}).get("nodeName") or "")
-            force = bool(node) and (
-                self.watcher.node_not_ready(node)
-                or (pending.fault is FaultKind.NODE_NOT_READY and node == pending.node)
-            )
-            try:
-                self.actuator.replace(
-                    pod, fault_kind=pending.fault, failed_node=pending.node, force=force
+                self._replace_all(pending, namespace)
+            for backoff in pending_backoffs(obj):
+                log.info(
+                    "resuming a backoff recorded before this start",
+                    policy=f"{namespace}/{name}",
+                    fault_id=backoff.fault.id,
+                    until=backoff.until.isoformat(),
                 )
-            except ApiError as exc:
-                failed += 1
-                self.metrics.replacement_errors.inc()
-                log.error(
-                    "could not replace a pod; the next start retries",
-                    pod=ref.name,
-                    fault_id=pending.fault_id,
-                    error=str(exc),
-                )
-        if not failed:
-            self._finish(namespace, policy, pending)
+                with self._lock:
+                    self._dispatch.schedule(backoff.fault, backoff.until)
 
-    def _finish(self, namespace: str, name: str, pending: PendingRestart) -> None:
-        for attempt in range(DECIDE_ATTEMPTS):
-            try:
-                obj = self._policy_object(namespace, name, fresh=attempt > 0)
-                self._write_status(
-                    obj, finish_restart(obj.get("status"), pending.job, [pending.fault_id])
-                )
-                return
-            except Conflict:
-                continue
-            except ApiError as exc:
-                log.warning("could not mark a restart done", policy=name, error=str(exc))
-                return
+    # --- the deciding workers --------------------------------------------------------------
 
-    def _handle(self, fault: Fault) -> None:
-        """Hand each pod of `fault` to the worker of the policy that covers it."""
-        for ref in fault.pods:
-            pod = self.watcher.find_pod(ref) or self.actuator.read_pod(ref.namespace, ref.name)
-            if pod is None or (ref.uid and pod_ref(pod).uid != ref.uid):
-                log.info("fault about an unknown pod", fault_id=fault.id, pod=ref.name)
-                continue
-            found = pod_ref(pod)
-            labels = (pod.get("metadata") or {}).get("labels") or {}
-            covering = self._covering(found.namespace, found, labels)
-            if covering is None:
-                log.debug("no policy covers the pod", fault_id=fault.id, pod=found.name)
-                continue
-            shard = zlib.crc32(f"{found.namespace}/{covering[0]}".encode()) % len(self._tasks)
-            self._tasks[shard].put(_Task(fault, pod, found, covering[0]))
-
-    def _decide_tasks(self, tasks: queue.Queue[_Task | None]) -> None:
-        while (task := tasks.get()) is not None:
+    def _decide_tasks(self, tasks: queue.Queue[Task | None]) -> None:
+        while (first := tasks.get()) is not None:
+            batch = [first]
+            while len(batch) < BATCH:
+                try:
+                    more = tasks.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    tasks.put(None)
+                    break
+                batch.append(more)
             if self._stopping.is_set():
                 return
-            with self._working():
-                try:
-                    self._decide_and_act(task.fault, task.pod, task.ref, task.policy)
-                except Exception:
-                    log.exception("handling a fault failed", fault_id=task.fault.id)
+            groups: dict[tuple[str, str], list[Task]] = {}
+            for task in batch:
+                groups.setdefault((task.ref.namespace, task.policy), []).append(task)
+            for (namespace, name), group in groups.items():
+                with self._working():
+                    try:
+                        self._decide_batch(namespace, name, group)
+                    except Exception:
+                        log.exception("deciding faults failed", policy=f"{namespace}/{name}")
+                        for task in group:
+                            self._task_done(task, ok=False, error="internal error")
 
     @contextlib.contextmanager
     def _working(self) -> Iterator[None]:
@@ -473,66 +622,138 @@ class Controller:
             with self._lock:
                 self._busy -= 1
 
-    def _decide_and_act(self, fault: Fault, pod: dict[str, Any], ref: PodRef, name: str) -> None:
-        labels = (pod.get("metadata") or {}).get("labels") or {}
-        targets: list[dict[str, Any]] = []
+    def _decide_batch(self, namespace: str, name: str, tasks: list[Task]) -> None:
+        """Decide and record `tasks` (all under policy namespace/name), then act."""
+        error = None
+        obj: dict[str, Any] = {}
+        result = Plan()
         for attempt in range(DECIDE_ATTEMPTS):
-            obj = self._policy_object(ref.namespace, name, fresh=attempt > 0)
-            try:
-                policy = parse_policy(obj.get("spec"))
-            except (SchemaError, ValueError):
-                return  # the watch marks it
-            identity = policy.identify(ref, labels)
-            if identity is None:
-                return
             now = self._clock()
-            decision = decide(
-                fault=fault,
-                pod=identity,
-                policy=policy,
-                record=read_job(obj.get("status"), identity.job),
-                now=now,
-            )
-            if decision.action is Action.STALE:
-                self._decided(decision, ref, name)
-                return
-            if decision.action is Action.RESTART:
-                targets = self._targets(decision, pod, policy)
             try:
-                self._write_status(
-                    obj,
-                    record_decision(
-                        obj.get("status"),
-                        decision,
-                        now=now,
-                        targets=[pod_ref(t) for t in targets],
-                    ),
-                )
-            except Conflict:
-                log.info("the policy changed; deciding again", policy=name, fault_id=fault.id)
-                continue
+                obj = self._policy_object(namespace, name, fresh=attempt > 0)
+            except ApiError as exc:
+                error = f"cannot read policy {namespace}/{name}: {exc}"
+                break
+            result = plan(obj, tasks, members=self._members, replaced=self._done, now=now)
+            if result.status is not None:
+                try:
+                    self._written(self.port.write_status(obj, result.status))
+                except Conflict:
+                    log.info("the policy changed; deciding again", policy=name)
+                    continue
+                except ApiError as exc:
+                    error = f"cannot record decisions in {namespace}/{name}: {exc}"
+                    break
             break
         else:
-            log.error("could not record a decision; the policy keeps changing", policy=name)
+            error = f"policy {namespace}/{name} keeps changing"
+        if error is not None:
+            log.warning("decisions not recorded; their faults come again", error=error)
+            for task in tasks:
+                self._task_done(task, ok=False, error=error)
             return
-        self._decided(decision, ref, name, policy=obj)
-        if decision.action is Action.RESTART:
-            pending = PendingRestart(
-                job=decision.pod.job,
-                fault_id=fault.id,
-                fault=fault.kind,
-                node=fault.node,
-                at=now,
-                pods=tuple(pod_ref(t) for t in targets),
+        for task, decision in result.decisions:
+            self._decided(decision, task.ref, name, policy=obj)
+        for task in tasks:
+            self._task_done(task, ok=True)
+        with self._lock:
+            for fault, until in result.backoffs:
+                self._dispatch.schedule(fault, until)
+        observed = {d.fault.id: d.fault.observed_at for _, d in result.decisions}
+        for pending in result.restarts:
+            self._replace_all(pending, namespace)
+            elapsed = (self._clock() - observed[pending.fault_id]).total_seconds()
+            self.metrics.fault_to_replacement.labels(str(pending.fault)).observe(max(0.0, elapsed))
+
+    def _done(self, ref: PodRef) -> bool:
+        """Whether a pod of a recorded restart needs nothing more: it is gone or being deleted,
+        and replaced (or owned by a controller, which replaces it, or no longer known)."""
+        if self.pods.exists(ref):
+            return False
+        if self.pods.replaced(ref):
+            return True
+        pod = self.pods.find_pod(ref)
+        return pod is None or pod_ref(pod).uid != ref.uid or _owned(pod)
+
+    def _members(self, policy: Policy, decision: Decision, pod: Pod) -> list[Pod]:
+        """The other live pods a Restart of `decision.scope` replaces along with `pod`."""
+        identity = decision.pod
+        ref = pod_ref(pod)
+        found = []
+        for other in self.pods.pods_in(ref.namespace):
+            other_ref = pod_ref(other)
+            if other_ref.uid == ref.uid or not self.pods.exists(other_ref):
+                continue
+            if deleted_by_us(other) or self.pods.replaced(other_ref):
+                continue
+            labels = (other.get("metadata") or {}).get("labels") or {}
+            placed = policy.identify(other_ref, labels)
+            if placed is None or placed.job != identity.job:
+                continue
+            if (
+                decision.scope is RestartScope.REPLICA
+                and placed.replica_type != identity.replica_type
+            ):
+                continue
+            found.append(other)
+        return sorted(found, key=lambda p: pod_ref(p).name)
+
+    def _replace_all(self, pending: PendingRestart, namespace: str) -> None:
+        """Replace the pods of a recorded Restart, each at most once: a pod already gone is
+        skipped, a replacement already made is found. Each pod is read afresh first (the
+        cache may hold only what deciding needs, and the uid must still be the one recorded).
+        What fails stays recorded and is tried again by the tidy pass."""
+        key = (namespace, pending.job, pending.fault_id)
+        with self._lock:
+            if key in self._replacing:
+                return
+            self._replacing.add(key)
+        try:
+            for ref in pending.pods:
+                self._replace_one(pending, ref)
+        finally:
+            with self._lock:
+                self._replacing.discard(key)
+
+    def _replace_one(self, pending: PendingRestart, ref: PodRef) -> None:
+        try:
+            if self.pods.replaced(ref) and not self.pods.exists(ref):
+                return  # an earlier try got as far as deleting it
+            # The pod as the fault showed it saves a read; the delete is conditional on its
+            # uid, and a replacement made already is found by its name.
+            pod = self.pods.whole(ref) or self.port.read_pod(ref.namespace, ref.name)
+            if pod is not None and not (ref.uid and pod_ref(pod).uid != ref.uid):
+                deleting = bool((pod.get("metadata") or {}).get("deletionTimestamp"))
+                if deleting and self.pods.replaced(ref):
+                    return  # an earlier try got as far as deleting it
+            else:
+                if self.pods.replaced(ref):
+                    return  # an earlier try finished
+                # Gone, and not by our hand (force-deleted, evicted): replaced from its last
+                # state as seen. A replacement made already is found by its name.
+                pod = self.pods.find_pod(ref)
+                if pod is None or (ref.uid and pod_ref(pod).uid != ref.uid):
+                    return
+                if not is_whole(pod):
+                    log.info("its deletion is not seen yet; replacing it later", pod=ref.name)
+                    return
+            node = str((pod.get("spec") or {}).get("nodeName") or "")
+            force = bool(node) and (
+                self.pods.node_not_ready(node)
+                or (pending.fault is FaultKind.NODE_NOT_READY and node == pending.node)
             )
-            self._replace_all(pending, ref.namespace, name, pods=targets)
-            elapsed = (self._clock() - fault.observed_at).total_seconds()
-            self.metrics.fault_to_replacement.labels(str(fault.kind)).observe(max(0.0, elapsed))
-        elif decision.action is Action.BACKOFF and decision.until is not None:
-            self._retry_at(fault, decision.until)
+            self.port.replace(pod, fault_kind=pending.fault, failed_node=pending.node, force=force)
+        except ApiError as exc:
+            self.metrics.replacement_errors.inc()
+            log.error(
+                "could not replace a pod; trying again later",
+                pod=ref.name,
+                fault_id=pending.fault_id,
+                error=str(exc),
+            )
 
     def _decided(
-        self, decision: Decision, ref: PodRef, name: str, policy: Mapping[str, Any] | None = None
+        self, decision: Decision, ref: PodRef, name: str, policy: Mapping[str, Any]
     ) -> None:
         """Log, count and (Restart, LimitExceeded) announce a decision."""
         action, fault = decision.action, decision.fault
@@ -545,8 +766,6 @@ class Controller:
             policy=name,
         )
         self.metrics.decisions.labels(str(action), str(fault.kind)).inc()
-        if policy is None:
-            return
         if action is Action.RESTART:
             self._event(
                 "Normal",
@@ -563,41 +782,20 @@ class Controller:
                 about=reference(policy),
             )
 
-    def _targets(
-        self, decision: Decision, pod: dict[str, Any], policy: Policy
-    ) -> list[dict[str, Any]]:
-        """The pods a Restart replaces: the pod, or every live pod of its replica type or job."""
-        targets = [pod]
-        if decision.scope is RestartScope.POD:
-            return targets
-        identity = decision.pod
-        selector = f"{policy.selector},{policy.job_label}={identity.job}"
-        if decision.scope is RestartScope.REPLICA and policy.replica_type_label:
-            selector += f",{policy.replica_type_label}={identity.replica_type}"
-        uid = pod_ref(pod).uid
-        targets += [
-            p
-            for p in self.actuator.list_pods(pod_ref(pod).namespace, selector)
-            if pod_ref(p).uid != uid
-            and not deleted_by_us(p)
-            and not (p.get("metadata") or {}).get("deletionTimestamp")
-        ]
-        return targets
 
-    def _retry_at(self, fault: Fault, until: datetime) -> None:
-        delay = max(0.0, (until - self._clock()).total_seconds()) + 0.05
+def _tell(waiter: _Waiter | None, error: str | None) -> None:
+    if waiter is not None:
+        waiter.error = error
+        waiter.done.set()
 
-        def fire() -> None:
-            with self._lock:
-                self._timers.discard(timer)
-            if not self._stopping.is_set():
-                self._queue.put(_Item(fault, retry=True))
 
-        timer = threading.Timer(delay, fire)
-        timer.daemon = True
-        with self._lock:
-            self._timers.add(timer)
-        timer.start()
+def _owned(pod: Mapping[str, Any]) -> bool:
+    refs = (pod.get("metadata") or {}).get("ownerReferences") or []
+    return any(r.get("controller") for r in refs)
+
+
+def _has_pending(obj: Mapping[str, Any]) -> bool:
+    return any(j.get("pendingRestarts") for j in (obj.get("status") or {}).get("jobs") or [])
 
 
 def _version(obj: Mapping[str, Any]) -> int:

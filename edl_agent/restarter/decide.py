@@ -1,10 +1,12 @@
 """The restart decision: fault + pod + policy + the job's record + now → action and reason.
 
 A purely computational function (semantics in `policy`). The steps, in order: a stale fault
-is dropped; the spec's gate; the first matching rule (none: Ignore; Never: Never); the limit;
-the backoff; else Restart, with the record to persist. Persist `Decision.record` (with the
-policy's resourceVersion as precondition) before replacing pods: a restarter that dies between
-the two then restarts one time too few, never one too many, and the retried fault is stale.
+is dropped; the spec's gate; the first matching rule (none: Ignore; Never: Never); an exit
+kubelet restarts in place (InPlace: the restarter does not replace the pod for it as well);
+the limit; the backoff; else Restart, with the record to persist. Persist `Decision.record`
+(with the policy's resourceVersion as precondition), and the pods to replace with it, before
+replacing them: a restarter that dies between the two finishes the replacement when it starts
+again, and the retried fault is stale.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class Action(enum.StrEnum):
     NEVER = "Never"  # a Never rule or the spec's gate declines
     IGNORE = "Ignore"  # no rule matches
     STALE = "Stale"  # an earlier restart already replaced the pod
+    IN_PLACE = "InPlace"  # a rule says restart, and kubelet restarts the container in place
 
 
 @dataclass(frozen=True)
@@ -49,9 +52,16 @@ class Decision:
 
 
 def decide(  # noqa: PLR0911 - one return per step of the ladder
-    *, fault: Fault, pod: PodIdentity, policy: Policy, record: JobRecord, now: datetime
+    *,
+    fault: Fault,
+    pod: PodIdentity,
+    policy: Policy,
+    record: JobRecord,
+    now: datetime,
+    in_place: bool = False,
 ) -> Decision:
-    """What to do about `fault` for `pod` (one of the fault's pods, covered by `policy`)."""
+    """What to do about `fault` for `pod` (one of the fault's pods, covered by `policy`).
+    `in_place`: kubelet restarts the exited container itself (`faults.in_place`)."""
     what = describe(fault)
 
     def decision(
@@ -84,6 +94,14 @@ def decide(  # noqa: PLR0911 - one return per step of the ladder
     if rule.restart_policy is RestartPolicy.NEVER:
         return decision(Action.NEVER, matched, rule=index)
     scope = rule.restart_scope
+    if in_place:
+        return decision(
+            Action.IN_PLACE,
+            f"{matched}, but kubelet restarts the container in place (the pod's or the "
+            "container's restart policy); the pod is not replaced for it",
+            rule=index,
+            scope=scope,
+        )
     counting = record.counting(pod.replica_type, policy=policy, now=now)
     if counting >= policy.restart_limit:
         window = f" in {policy.restart_timeout}s" if policy.restart_timeout is not None else ""

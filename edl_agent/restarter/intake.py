@@ -2,12 +2,36 @@
 
 Every call is authenticated (see `auth`): a call without a token, with a token TokenReview does
 not accept, or from another ServiceAccount fails as a whole (UNAUTHENTICATED or
-PERMISSION_DENIED); a fault about another node than the token's is refused on its own. Refusals
-are logged (one line per reason per `log_interval`, with the number left out) and counted by
-reason, never acted on. When the API server cannot review a token the call fails UNAVAILABLE and
-the agent retries. Accepted faults go to `on_fault` once per id (among the last `remember` ids):
-a repeat is answered DUPLICATE. `on_fault` runs on the gRPC worker thread, so it should only
-hand the fault on.
+PERMISSION_DENIED). When the API server cannot review a token the call fails UNAVAILABLE and
+the agent retries.
+
+An agent is believed only about its own node. Each fault of a call is judged first, on its own:
+it is refused (Ack REFUSED with the `auth.Refusal` as reason; the agent drops it) when it is
+about another node than the token's, names more pods than can share a device, is not a fault
+at all, or names a pod the restarter's pod cache shows bound to another node; a ContainerExit
+is believed only as the named pod's status shows it (`evidence`). Where the cache does not
+show a pod or an exit, it may only be behind the agent: the fault is answered "retry later"
+(Ack VERDICT_UNSPECIFIED, reason `retry_later: <refusal>`; the agent keeps it and sends it
+again) until the cache has had `cache_lag` seconds since the first such answer, then refused
+(`pod_unknown`, `pod_elsewhere`, `exit_not_seen`). Refusals and waits are logged (one line per
+reason per `log_interval`, with the number left out) and counted by reason, never acted on.
+
+Ids are scoped by observer: a believed ContainerExit keeps its canonical id
+(`exit/<uid>/<container>/<n>`, as the restarter's own watcher derives it from the same status);
+any other fault is kept as `agent/<node>/<id>` (`ids.observer_scoped_id`), so that an agent
+cannot make the restarter take a real fault for a duplicate by sending its id first. The Ack
+carries the id the agent sent.
+
+Then the believed faults go, one by one and in order, to `on_fault`, which returns once the
+fault is durably recorded and raises when it cannot be (API down, a timeout): the first
+exception ends the whole call UNAVAILABLE (counted in `sink_errors`; the agent keeps every
+fault of the call and sends them again, and those recorded already are then duplicates). An id
+joins the seen-set (the last `remember` ids) only after `on_fault` returned, and a repeat is
+answered DUPLICATE; two concurrent calls with one id may both reach `on_fault`, which dedupes.
+
+Work per call is bounded: at most `MAX_FAULTS_PER_CALL` faults and `MAX_PODS_PER_CALL` named
+pods are judged, and nothing more is handed on once the caller's deadline is near; what is left
+gets no Ack, so the agent sends it again.
 """
 
 from __future__ import annotations
@@ -27,10 +51,11 @@ import structlog
 
 from edl_agent._proto.edl.fault.v1 import fault_pb2, fault_pb2_grpc
 from edl_agent.address import is_loopback
-from edl_agent.bounded import BoundedSet
+from edl_agent.bounded import BoundedMap, BoundedSet
 from edl_agent.config import MAX_SHARES_PER_DEVICE
 from edl_agent.faults.convert import InvalidFault, from_proto
-from edl_agent.faults.model import Fault, PodRef
+from edl_agent.faults.ids import observer_scoped_id
+from edl_agent.faults.model import Fault, FaultKind, PodRef
 from edl_agent.restarter.auth import (
     Identity,
     Refusal,
@@ -40,20 +65,32 @@ from edl_agent.restarter.auth import (
     caller_refusal,
     fault_refusal,
 )
+from edl_agent.restarter.evidence import Check, Outcome, check_exit, check_pod
 from edl_agent.restarter.server_tls import CertificateError, ReloadingCertificate
 
 log = structlog.get_logger(__name__)
 
 # A fault names the pods holding one device or one container's pod: at most as many as share one
 # device (time-slicing replicas). One report naming 100,000 pods would otherwise cost as many
-# API reads and hold up every other fault behind it.
+# cache reads and hold up every other fault behind it.
 MAX_PODS_PER_FAULT = MAX_SHARES_PER_DEVICE
+# What one call may cost (the agent sends 100 faults a call): the rest waits for the next call.
+MAX_FAULTS_PER_CALL = 1000
+MAX_PODS_PER_CALL = 4 * MAX_PODS_PER_FAULT
+# Hand nothing more on when less than this is left of the caller's deadline: its answer must
+# still arrive.
+DEADLINE_MARGIN = 0.5
+# How long the pod cache may trail an agent (from the first "retry later" about a fault).
+CACHE_LAG = 30.0
+RETRY_LATER = "retry_later"
 
 CALL_STATUS = {
     Refusal.NO_TOKEN: grpc.StatusCode.UNAUTHENTICATED,
     Refusal.INVALID_TOKEN: grpc.StatusCode.UNAUTHENTICATED,
     Refusal.WRONG_SERVICE_ACCOUNT: grpc.StatusCode.PERMISSION_DENIED,
 }
+
+FindPod = Callable[[PodRef], Mapping[str, Any] | None]
 
 
 class IntakeError(Exception):
@@ -67,11 +104,21 @@ class IntakeCounts:
     refused: Mapping[str, int] = field(default_factory=dict)  # by Refusal value
     review_errors: int = 0
     sink_errors: int = 0
+    deferred: int = 0  # answered "retry later": the pod cache did not show it yet
+
+
+@dataclass(frozen=True)
+class _Believed:
+    index: int  # in the call
+    sent_id: str
+    fault: Fault  # as handed on: its id canonical or scoped, source "agent"
 
 
 class FaultIntake(fault_pb2_grpc.FaultIntakeServicer):
     """The servicer. `agent_user` is the agent's ServiceAccount user name
-    (`auth.service_account_user(namespace, name)`)."""
+    (`auth.service_account_user(namespace, name)`); `find_pod` looks a named pod up in the
+    restarter's pod cache (by uid, else by namespace and name; None: not known). Without
+    `find_pod` no pod is known: a fault naming one waits out `cache_lag` and is refused."""
 
     def __init__(
         self,
@@ -82,18 +129,20 @@ class FaultIntake(fault_pb2_grpc.FaultIntakeServicer):
         remember: int = 100_000,
         log_interval: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
-        find_pod: Callable[[PodRef], Mapping[str, Any] | None] | None = None,
+        find_pod: FindPod | None = None,
+        cache_lag: float = CACHE_LAG,
     ) -> None:
-        """`find_pod` looks a named pod up in the restarter's pod cache (None: not known)."""
-        self._find_pod = find_pod
+        self._find_pod: FindPod = find_pod or (lambda _ref: None)
         self._review = review
         self._agent_user = agent_user
         self._on_fault = on_fault
         self._remember = remember
         self._log_interval = log_interval
         self._clock = clock
+        self._cache_lag = cache_lag
         self._lock = threading.Lock()
         self._seen = BoundedSet(self._remember)
+        self._waiting: BoundedMap[str, float] = BoundedMap(self._remember)  # key → first wait
         self._counts = IntakeCounts()
         self._refused: Counter[str] = Counter()
         self._last_logged: dict[str, tuple[float, int]] = {}  # reason → (when, left out since)
@@ -104,6 +153,35 @@ class FaultIntake(fault_pb2_grpc.FaultIntakeServicer):
 
     def Report(self, request: Any, context: Any) -> fault_pb2.ReportResponse:
         peer = context.peer()
+        identity = self._caller(request, context, peer)
+        acks: dict[int, fault_pb2.Ack] = {}
+        believed: list[_Believed] = []
+        keys: set[str] = set()
+        pods_left = MAX_PODS_PER_CALL
+        for index, message in enumerate(request.faults[:MAX_FAULTS_PER_CALL]):
+            pods = min(len(message.pods), MAX_PODS_PER_FAULT + 1)  # beyond: refused unread
+            if pods > pods_left:
+                break  # this and the rest wait for the next call
+            pods_left -= pods
+            verdict = self._judge(message, identity, peer)
+            if isinstance(verdict, fault_pb2.Ack):
+                acks[index] = verdict
+            elif verdict.id in keys or self._known(verdict.id):
+                acks[index] = self._duplicate(message.id)
+            else:
+                keys.add(verdict.id)
+                believed.append(_Believed(index, message.id, verdict))
+        for one in believed:
+            if not _time_left(context):
+                break  # unanswered: the agent sends them again
+            self._hand_on(one.fault, context, peer)
+            acks[one.index] = fault_pb2.Ack(
+                fault_id=one.sent_id, verdict=fault_pb2.VERDICT_ACCEPTED
+            )
+        return fault_pb2.ReportResponse(acks=[acks[i] for i in sorted(acks)])
+
+    def _caller(self, request: Any, context: Any, peer: str) -> Identity:
+        """Who calls, when they may report at all; else the call ends here."""
         token = bearer_token(context.invocation_metadata())
         if token is None:
             self._refuse_call(context, Refusal.NO_TOKEN, peer=peer, faults=len(request.faults))
@@ -126,16 +204,17 @@ class FaultIntake(fault_pb2_grpc.FaultIntakeServicer):
                 user=identity.username,
                 error=identity.error,
             )
-        acks = []
-        for message in request.faults:
-            try:
-                acks.append(self._judge(message, identity, peer))
-            except Exception:
-                log.exception("the fault sink failed; the agent will send it again", peer=peer)
-                _abort(context, grpc.StatusCode.INTERNAL, "the restarter could not take a fault")
-        return fault_pb2.ReportResponse(acks=acks)
+        return identity
 
-    def _judge(self, message: fault_pb2.Fault, identity: Identity, peer: str) -> fault_pb2.Ack:
+    def _judge(
+        self, message: fault_pb2.Fault, identity: Identity, peer: str
+    ) -> fault_pb2.Ack | Fault:
+        """The Ack for a fault that is not to be handed on (refused, or wait); else the fault
+        as it is to be handed on. Reads the pod cache, never calls `on_fault`."""
+        if len(message.pods) > MAX_PODS_PER_FAULT:
+            return self._refuse_fault(
+                message.id, Refusal.TOO_MANY_PODS, peer=peer, pods=len(message.pods)
+            )
         try:
             fault = from_proto(message)
         except InvalidFault as exc:
@@ -145,50 +224,101 @@ class FaultIntake(fault_pb2_grpc.FaultIntakeServicer):
             return self._refuse_fault(
                 fault.id, refusal, peer=peer, fault_node=fault.node, token_node=identity.node
             )
-        if len(fault.pods) > MAX_PODS_PER_FAULT:
+        if fault.kind is FaultKind.CONTAINER_EXIT and (
+            len(fault.pods) != 1 or fault.container is None
+        ):
             return self._refuse_fault(
-                fault.id, Refusal.TOO_MANY_PODS, peer=peer, pods=len(fault.pods)
+                fault.id, Refusal.INVALID_FAULT, peer=peer, error="an exit names one container"
             )
-        elsewhere = self._pod_elsewhere(fault)
-        if elsewhere is not None:
-            return self._refuse_fault(
-                fault.id, Refusal.POD_ELSEWHERE, peer=peer, pod=elsewhere, token_node=fault.node
-            )
+        return self._weigh(fault, peer)
+
+    def _weigh(self, fault: Fault, peer: str) -> fault_pb2.Ack | Fault:
+        """`_judge`'s second half: what the pod cache says about the pods `fault` names (and,
+        for an exit, about the exit)."""
+        scoped = observer_scoped_id(fault.node, fault.id)
+        pods: list[PodRef] = []
+        cached: Mapping[str, Any] | None = None
+        for ref in fault.pods:
+            cached = self._find_pod(ref)
+            check = check_pod(ref, fault.node, cached)
+            if check.outcome is not Outcome.BELIEVED:
+                return self._answer(check, scoped, fault.id, peer=peer, pod=_name(ref))
+            pods.append(ref if ref.uid else dataclasses.replace(ref, uid=_uid(cached)))
+        if fault.kind is FaultKind.CONTAINER_EXIT and cached is not None:
+            check, shown = check_exit(fault, cached)
+            if shown is None:
+                return self._answer(check, scoped, fault.id, peer=peer, pod=_name(fault.pods[0]))
+            believed = shown  # the canonical id: the restarter's watcher derives the same
+        else:
+            believed = dataclasses.replace(fault, id=scoped, pods=tuple(pods), source="agent")
         with self._lock:
-            if not self._seen.add(fault.id, refresh=True):
-                self._counts = dataclasses.replace(
-                    self._counts, duplicates=self._counts.duplicates + 1
-                )
-                return fault_pb2.Ack(fault_id=fault.id, verdict=fault_pb2.VERDICT_DUPLICATE)
-        try:
-            self._on_fault(dataclasses.replace(fault, source="agent"))
-        except Exception:
+            self._waiting.pop(scoped, None)
+        return believed
+
+    def _answer(self, check: Check, key: str, fault_id: str, **details: object) -> fault_pb2.Ack:
+        """A refusal; or, while the pod cache may still be behind, "retry later"."""
+        refusal = check.refusal or Refusal.INVALID_FAULT
+        if check.outcome is Outcome.NOT_YET:
+            now = self._clock()
             with self._lock:
-                self._seen.discard(fault.id)
+                first = self._waiting.get(key)
+                if first is None:
+                    self._waiting[key] = first = now
+                waiting = now - first < self._cache_lag
+                if waiting:
+                    self._counts = dataclasses.replace(
+                        self._counts, deferred=self._counts.deferred + 1
+                    )
+                else:
+                    del self._waiting[key]
+            if waiting:
+                self._log_throttled(
+                    f"{RETRY_LATER}:{refusal.value}",
+                    "fault not shown by the pod cache (yet); the agent will send it again",
+                    reason=refusal.value,
+                    fault_id=fault_id,
+                    **details,
+                )
+                return fault_pb2.Ack(
+                    fault_id=fault_id,
+                    verdict=fault_pb2.VERDICT_UNSPECIFIED,
+                    reason=f"{RETRY_LATER}: {refusal.value}",
+                )
+        return self._refuse_fault(fault_id, refusal, **details)
+
+    def _known(self, key: str) -> bool:
+        """Whether `key` was handed on already (then it counts as the newest again)."""
+        with self._lock:
+            if key not in self._seen:
+                return False
+            self._seen.add(key, refresh=True)
+            return True
+
+    def _duplicate(self, sent_id: str) -> fault_pb2.Ack:
+        with self._lock:
+            self._counts = dataclasses.replace(self._counts, duplicates=self._counts.duplicates + 1)
+        return fault_pb2.Ack(fault_id=sent_id, verdict=fault_pb2.VERDICT_DUPLICATE)
+
+    def _hand_on(self, fault: Fault, context: Any, peer: str) -> None:
+        """`on_fault`, and the fault's id remembered once it returned; the call ends UNAVAILABLE
+        when it raised."""
+        try:
+            self._on_fault(fault)
+        except Exception as exc:
+            with self._lock:
                 self._counts = dataclasses.replace(
                     self._counts, sink_errors=self._counts.sink_errors + 1
                 )
-            raise
+            log.warning(
+                "cannot record a fault; the agent will send it again",
+                fault_id=fault.id,
+                peer=peer,
+                error=f"{type(exc).__name__}: {exc}",
+            )
+            _abort(context, grpc.StatusCode.UNAVAILABLE, "cannot record the faults now; retry")
         with self._lock:
+            self._seen.add(fault.id, refresh=True)
             self._counts = dataclasses.replace(self._counts, accepted=self._counts.accepted + 1)
-        return fault_pb2.Ack(fault_id=fault.id, verdict=fault_pb2.VERDICT_ACCEPTED)
-
-    def _pod_elsewhere(self, fault: Fault) -> str | None:
-        """A pod the fault names that the pod cache shows on another node, or as another pod by
-        that name: an agent is believed only about its own node. A pod the cache does not know
-        is let through (the decision finds nothing to restart), so a cache a moment behind the
-        agent loses no fault."""
-        if self._find_pod is None:
-            return None
-        for ref in fault.pods:
-            pod = self._find_pod(ref)
-            if pod is None:
-                continue
-            node = (pod.get("spec") or {}).get("nodeName")
-            uid = (pod.get("metadata") or {}).get("uid")
-            if node != fault.node or (ref.uid and uid != ref.uid):
-                return f"{ref.namespace}/{ref.name}"
-        return None
 
     def _refuse_call(self, context: Any, refusal: Refusal, **details: object) -> NoReturn:
         with self._lock:
@@ -215,6 +345,20 @@ class FaultIntake(fault_pb2_grpc.FaultIntakeServicer):
                 return
             self._last_logged[key] = (now, 0)
         log.warning(event, left_out=left_out, **details)
+
+
+def _time_left(context: Any) -> bool:
+    """Whether the caller still waits long enough for more work (no deadline: it does)."""
+    remaining = context.time_remaining()
+    return remaining is None or remaining > DEADLINE_MARGIN
+
+
+def _name(ref: PodRef) -> str:
+    return f"{ref.namespace}/{ref.name}"
+
+
+def _uid(pod: Mapping[str, Any] | None) -> str:
+    return str(((pod or {}).get("metadata") or {}).get("uid") or "")
 
 
 class IntakeServer:

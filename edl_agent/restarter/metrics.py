@@ -3,7 +3,8 @@
 edl_restarter_decisions_total{action,reason}      decisions; reason = the fault's kind
 edl_restarter_fault_to_replacement_seconds{fault} fault observed → replacement created
 edl_restarter_replacement_errors_total            replacements the API refused
-edl_restarter_intake_faults_total{outcome}        reported faults: accepted, duplicate
+edl_restarter_api_writes_total{what}              writes made: status, create, mark, delete
+edl_restarter_intake_faults_total{outcome}        reported faults: accepted, duplicate, deferred
 edl_restarter_intake_refusals_total{reason}       reports refused (token, account, node)
 edl_restarter_queue_depth                         faults waiting for or in a decision
 edl_restarter_leader                              1 while this replica leads
@@ -52,6 +53,13 @@ class RestarterMetrics:
             "Pod replacements the API refused or that failed (retried on restart).",
             registry=r,
         )
+        self.api_writes = Counter(
+            "edl_restarter_api_writes",
+            "Writes the restarter made to the API: a policy's status, a replacement created, "
+            "a pod marked as deleted by it, a pod deleted.",
+            ["what"],
+            registry=r,
+        )
         self.queue_depth = Gauge(
             "edl_restarter_queue_depth",
             "Faults and pods waiting for a decision or being decided about.",
@@ -92,6 +100,7 @@ class _IntakeCollector(Collector):
         )
         faults.add_metric(["accepted"], counts.accepted)
         faults.add_metric(["duplicate"], counts.duplicates)
+        faults.add_metric(["deferred"], counts.deferred)  # "retry later": the cache lagged
         yield faults
         refusals = CounterMetricFamily(
             "edl_restarter_intake_refusals",

@@ -3,12 +3,11 @@ leading (or always, without leader election). `edl-agent restarter` builds it (c
 
 from __future__ import annotations
 
-import argparse
-import os
 import secrets
 import signal
 import socket
 import threading
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -22,6 +21,7 @@ from edl_agent.restarter.events import EventWriter
 from edl_agent.restarter.intake import FaultIntake, IntakeError, IntakeServer
 from edl_agent.restarter.leader import LeaderElector, label_own_pod
 from edl_agent.restarter.metrics import RestarterMetrics
+from edl_agent.restarter.settings import RestarterSettings
 from edl_agent.restarter.storm import StormGuard
 
 logger = structlog.get_logger(__name__)
@@ -34,45 +34,50 @@ class Restarter:
     """The restarter process: metrics and probes always; the controller and the intake while
     leading (or always, without leader election)."""
 
-    def __init__(self, args: argparse.Namespace, api: Any, agent_user: str) -> None:
-        self.args, self.api = args, api
-        self.identity = args.identity or f"{socket.gethostname()}-{secrets.token_hex(3)}"
-        self.pod = (os.environ.get("POD_NAMESPACE", ""), os.environ.get("POD_NAME", ""))
+    def __init__(self, settings: RestarterSettings, api: Any, agent_user: str) -> None:
+        self.settings, self.api = settings, api
+        election, intake = settings.election, settings.intake
+        self.identity = election.identity or f"{socket.gethostname()}-{secrets.token_hex(3)}"
+        self.pod = (settings.pod_namespace, settings.pod_name)
         self.metrics = RestarterMetrics()
         self.stop = threading.Event()
         self.exit_code = 0
         self.controller = Controller(
             api,
-            namespaces=args.namespaces,
-            node_grace=args.node_grace_seconds,
-            storm=StormGuard(args.storm_max_share, args.storm_min_nodes),
+            namespaces=settings.namespaces,
+            node_grace=settings.node_grace_seconds,
+            storm=StormGuard(settings.storm.max_share, settings.storm.min_nodes),
             metrics=self.metrics,
             events=EventWriter(api, instance=self.identity),
             storm_object=self._storm_object(),
+            drop_labels=settings.replacement.drop_labels,
         )
         self.server: IntakeServer | None = None
-        if args.listen:
-            reviewer: Any = CachedReviewer(TokenReviewer(api, audiences=[args.audience]))
-            intake = FaultIntake(
+        if intake.listen:
+            reviewer: Any = CachedReviewer(TokenReviewer(api, audiences=[intake.audience]))
+            fault_intake = FaultIntake(
                 review=reviewer,
                 agent_user=agent_user,
-                on_fault=self.controller.submit,
-                find_pod=self.controller.watcher.find_pod,
+                on_fault=self.controller.accept,
+                find_pod=self.controller.pods.find_pod,
             )
-            self.metrics.watch_intake(intake.counts)
+            self.metrics.watch_intake(fault_intake.counts)
             self.server = IntakeServer(
-                intake, listen=args.listen, tls_cert=args.tls_cert, tls_key=args.tls_key
+                fault_intake,
+                listen=intake.listen,
+                tls_cert=Path(intake.tls_cert) if intake.tls_cert else None,
+                tls_key=Path(intake.tls_key) if intake.tls_key else None,
             )
         self.elector: LeaderElector | None = None
-        if args.leader_elect:
+        if election.enabled:
             self.elector = LeaderElector(
                 api,
-                namespace=args.lease_namespace,
-                name=args.lease_name,
+                namespace=election.lease_namespace,
+                name=election.lease_name,
                 identity=self.identity,
-                lease_duration=args.lease_duration_seconds,
-                renew_deadline=args.renew_deadline_seconds,
-                retry_period=args.retry_period_seconds,
+                lease_duration=election.lease_duration_seconds,
+                renew_deadline=election.renew_deadline_seconds,
+                retry_period=election.retry_period_seconds,
                 on_started=self._lead,
                 on_stopped=self._lost,
             )
@@ -82,12 +87,13 @@ class Restarter:
         self.failed: str | None = None
 
     def _storm_object(self) -> dict[str, str] | None:
-        if self.args.leader_elect:
+        election = self.settings.election
+        if election.enabled:
             return {
                 "apiVersion": "coordination.k8s.io/v1",
                 "kind": "Lease",
-                "name": self.args.lease_name,
-                "namespace": self.args.lease_namespace,
+                "name": election.lease_name,
+                "namespace": election.lease_namespace,
             }
         namespace, name = self.pod
         if namespace and name:
@@ -98,14 +104,13 @@ class Restarter:
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: self.stop.set())
         metrics_server: MetricsServer | None = None
-        if self.args.metrics_addr:
-            metrics_server = MetricsServer(
-                self.args.metrics_addr, self.metrics.registry, ready=self._ready
-            )
+        address = self.settings.metrics_addr
+        if address:
+            metrics_server = MetricsServer(address, self.metrics.registry, ready=self._ready)
             try:
                 metrics_server.start()
             except OSError as exc:
-                msg = f"--metrics-addr {self.args.metrics_addr}: {exc.strerror or exc}"
+                msg = f"metrics_addr {address}: {exc.strerror or exc}"
                 raise UsageError(msg) from None
         try:
             if self.elector is None:
@@ -144,8 +149,8 @@ class Restarter:
                 return
         logger.info(
             "restarter acting",
-            namespaces=self.args.namespaces or "all",
-            intake=self.args.listen,
+            namespaces=list(self.settings.namespaces) or "all",
+            intake=self.settings.intake.listen,
             identity=self.identity,
         )
 

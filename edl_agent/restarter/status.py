@@ -20,6 +20,10 @@ new one; the caller writes it through the status subresource.
                                         # written with the Restart decision, removed once its
                                         # pods are replaced: a restarter that dies in between
                                         # finishes the replacement when it starts again
+        pendingBackoffs: [{faultId, fault, node, observedAt, pod: {name, uid}, container,
+                           exitCode, reason, deviceIds, source, until}]
+                                        # a Backoff with the fault it waits to restart for:
+                                        # whichever replica leads at `until` decides it again
 
 Times are RFC 3339 in UTC with microseconds: a stale-fault check compares them with fault
 times, and whole seconds would make a fault look newer than the restart it caused.
@@ -34,7 +38,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from edl_agent.faults.model import FaultKind, PodRef
+from edl_agent.faults.model import Fault, FaultKind, PodRef
 from edl_agent.kube_time import format_micro_time
 from edl_agent.kube_time import parse_time as parse_api_time
 from edl_agent.restarter.decide import Action, Decision
@@ -81,6 +85,15 @@ def read_job(status: Mapping[str, Any] | None, job: str) -> JobRecord:
 
 
 @dataclass(frozen=True)
+class PendingBackoff:
+    """A Backoff recorded in the status: decide `fault` (about one pod) again at `until`."""
+
+    job: str
+    fault: Fault
+    until: datetime
+
+
+@dataclass(frozen=True)
 class PendingRestart:
     """A Restart decided and recorded whose pods may not all be replaced yet."""
 
@@ -99,11 +112,24 @@ def record_decision(
     now: datetime,
     targets: Sequence[PodRef] = (),
 ) -> dict[str, Any]:
-    """The status after `decision` (a Stale one changes nothing). A Restart's `targets`, the
-    pods it replaces, are kept in pendingRestarts until `finish_restart`."""
+    """The status after `decision` (a Stale one changes nothing but a backoff it ends). A
+    Restart's `targets`, the pods it replaces, are kept in pendingRestarts until
+    `finish_restart`."""
     new: dict[str, Any] = copy.deepcopy(dict(status or {}))
+    apply_decision(new, decision, now=now, targets=targets)
+    update_totals(new)
+    return new
+
+
+def apply_decision(
+    new: dict[str, Any], decision: Decision, *, now: datetime, targets: Sequence[PodRef] = ()
+) -> None:
+    """`record_decision` in place, without the totals (`update_totals` once for a batch)."""
     if decision.action is Action.STALE:
-        return new
+        found = _find(new, decision.pod.job)
+        if found is not None:
+            _drop_backoff(found, decision.fault.id)
+        return
     jobs: list[dict[str, Any]] = new.setdefault("jobs", [])
     entry = _find(new, decision.pod.job)
     if entry is None:
@@ -115,6 +141,11 @@ def record_decision(
         entry["forgottenUntil"] = format_micro_time(decision.record.forgotten_until)
     entry["lastActions"] = _actions(entry.get("lastActions", []), decision, now)
     _set_condition(entry, decision, now)
+    _drop_backoff(entry, decision.fault.id)
+    if decision.action is Action.BACKOFF and decision.until is not None:
+        entry.setdefault("pendingBackoffs", []).append(
+            _backoff_entry(decision.fault, decision.pod.pod, decision.until)
+        )
     if decision.action is Action.RESTART and targets:
         entry.setdefault("pendingRestarts", []).append(
             {
@@ -125,11 +156,15 @@ def record_decision(
                 "pods": [{"name": t.name, "uid": t.uid} for t in targets],
             }
         )
+
+
+def update_totals(new: dict[str, Any]) -> None:
+    """The policy-wide restart count and last restart time, from its jobs."""
+    jobs = new.get("jobs") or []
     new["restarts"] = sum(int(j.get("restarts", 0)) for j in jobs)
     times = [j["lastRestartTime"] for j in jobs if j.get("lastRestartTime")]
     if times:
         new["lastRestartTime"] = format_micro_time(max(parse_time(t) for t in times))
-    return new
 
 
 def pending_restarts(obj: Mapping[str, Any]) -> list[PendingRestart]:
@@ -159,6 +194,66 @@ def pending_restarts(obj: Mapping[str, Any]) -> list[PendingRestart]:
     return sorted(found, key=lambda p: p.at)
 
 
+def pending_backoffs(obj: Mapping[str, Any]) -> list[PendingBackoff]:
+    """The backoffs recorded in a policy (as the API returned it), soonest first; an entry that
+    cannot be read is skipped (and stays until a decision about its fault replaces it)."""
+    namespace = str((obj.get("metadata") or {}).get("namespace", ""))
+    found = []
+    for job in (obj.get("status") or {}).get("jobs") or []:
+        for entry in job.get("pendingBackoffs") or []:
+            try:
+                pod = entry.get("pod") or {}
+                ref = PodRef(namespace, str(pod.get("name", "")), str(pod.get("uid", "")))
+                code = entry.get("exitCode")
+                fault = Fault(
+                    id=str(entry["faultId"]),
+                    kind=FaultKind(entry.get("fault", "")),
+                    node=str(entry.get("node", "")),
+                    observed_at=parse_time(str(entry.get("observedAt", ""))),
+                    pods=(ref,) if ref.name else (),
+                    container=entry.get("container"),
+                    exit_code=None if code is None else int(code),
+                    reason=str(entry.get("reason", "")),
+                    device_ids=tuple(str(d) for d in entry.get("deviceIds") or ()),
+                    source=str(entry.get("source", "")),
+                )
+                until = parse_time(str(entry.get("until", "")))
+            except (KeyError, TypeError, ValueError):
+                continue
+            found.append(PendingBackoff(str(job.get("name", "")), fault, until))
+    return sorted(found, key=lambda p: p.until)
+
+
+def _backoff_entry(fault: Fault, pod: PodRef | None, until: datetime) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "faultId": fault.id,
+        "fault": str(fault.kind),
+        "node": fault.node,
+        "observedAt": format_micro_time(fault.observed_at),
+        "until": format_micro_time(until),
+        "source": fault.source,
+    }
+    if pod is not None:
+        entry["pod"] = {"name": pod.name, "uid": pod.uid}
+    if fault.container is not None:
+        entry["container"] = fault.container
+    if fault.exit_code is not None:
+        entry["exitCode"] = fault.exit_code
+    if fault.reason:
+        entry["reason"] = fault.reason
+    if fault.device_ids:
+        entry["deviceIds"] = list(fault.device_ids)
+    return entry
+
+
+def _drop_backoff(entry: dict[str, Any], fault_id: str) -> None:
+    left = [b for b in entry.get("pendingBackoffs") or [] if b.get("faultId") != fault_id]
+    if left:
+        entry["pendingBackoffs"] = left
+    else:
+        entry.pop("pendingBackoffs", None)
+
+
 def finish_restart(
     status: Mapping[str, Any] | None, job: str, fault_ids: Iterable[str]
 ) -> dict[str, Any]:
@@ -173,6 +268,21 @@ def finish_restart(
         else:
             del entry["pendingRestarts"]
     return new
+
+
+def drop_pending(status: dict[str, Any], done: Iterable[tuple[str, str]]) -> None:
+    """Remove, in place, the pending restarts named by (job, faultId)."""
+    wanted = set(done)
+    for entry in status.get("jobs") or []:
+        pending = entry.get("pendingRestarts")
+        if not pending:
+            continue
+        job = entry.get("name")
+        left = [p for p in pending if (job, p.get("faultId")) not in wanted]
+        if left:
+            entry["pendingRestarts"] = left
+        else:
+            del entry["pendingRestarts"]
 
 
 def forget_job(status: Mapping[str, Any] | None, job: str) -> dict[str, Any]:

@@ -4,7 +4,8 @@
 resourceVersion) re-lists, any other failure retries after a backoff (1 s doubling to 30 s).
 
 `ClusterWatcher` caches pods (and keeps the last state of deleted ones for a while, so the
-controller can still read a force-deleted pod's labels) and derives faults (source "restarter"):
+controller can still read a force-deleted pod's labels) and derives faults (source "restarter")
+with the builders the agent uses too (`faults.pod_faults`):
 
   a container terminated with a non-zero code   ContainerExit  id exit/<uid>/<container>/<restarts>
   deleted with grace 0 before it terminated     PodForceDeleted  id forcedelete/<uid>
@@ -12,7 +13,11 @@ controller can still read a force-deleted pod's labels) and derives faults (sour
   its node Ready False/Unknown for node_grace   NodeNotReady     id notready/<node>/<since>/<uid>
 
 The ids depend only on what happened, so an agent reporting the same exit (same pod uid,
-container and restartCount) and a re-list after a reconnect give the same id. Pods the actuator
+container and restartCount) and a re-list after a reconnect give the same id. Every list and
+every event reads exits from `lastState` as well as `state`: a container kubelet restarted in
+place while the restarter was down shows its exit only there. An id already emitted by this
+process is not emitted again (the newest `KEEP_IDS`); one emitted again after a restart is
+harmless downstream (a fault older than its slot's last restart is stale). Pods the actuator
 deleted itself (annotation `DELETED_BY_ANNOTATION`, or a uid passed to `ignore_uid`) give no
 faults.
 """
@@ -30,20 +35,46 @@ import structlog
 from kubernetes import client
 
 from edl_agent.bounded import BoundedMap, BoundedSet
-from edl_agent.faults.ids import container_exit_id
+from edl_agent.faults.ids import node_not_ready_id
 from edl_agent.faults.model import Fault, FaultKind, PodRef
+from edl_agent.faults.pod_faults import (
+    container_exit_faults,
+    eviction_fault,
+    force_deletion_fault,
+    per_pod_faults,
+    pod_node,
+    pod_ref,
+    terminated_phase,
+)
 from edl_agent.kube import call_json, watch_events
-from edl_agent.kube_time import parse_time
 from edl_agent.kube_watch import WatchLoop
+from edl_agent.restarter.pod_cache import is_whole, slim_pod
 
 log = structlog.get_logger(__name__)
 
 DELETED_BY_ANNOTATION = "edl.io/deleted-by"
+# The uid of the pod a replacement replaces: made before that pod is deleted, it tells every
+# restarter (this one after a restart too) that the old pod's exit or deletion is ours.
+REPLACES_UID_ANNOTATION = "edl.io/replaces-uid"
 RESTARTER = "edl-restarter"
 WATCH_TIMEOUT = 300
 MAX_RETRY_DELAY = 30.0
+LIST_PAGE = 500
+KEEP_WHOLE = 1024
 KEEP_DELETED = 2048
 KEEP_IDS = 100_000
+SOURCE = "restarter"
+
+# `pod_ref` is the controller's too, from here.
+__all__ = [
+    "DELETED_BY_ANNOTATION",
+    "RESTARTER",
+    "ClusterWatcher",
+    "ListWatch",
+    "deleted_by_us",
+    "is_not_ready",
+    "pod_ref",
+]
 
 Lister = Callable[..., Any]
 
@@ -64,19 +95,36 @@ class ListWatch(WatchLoop):
         *,
         on_list: Callable[[list[dict[str, Any]]], None],
         on_event: Callable[[str, dict[str, Any]], None],
+        shrink: Callable[[dict[str, Any]], dict[str, Any]] = lambda item: item,
     ) -> None:
         self.name = f"watch-{name}"
         super().__init__(log_context={})
+        self._shrink = shrink
         self._list_call = list_call
         self._on_list = on_list
         self._on_event = on_event
         self.synced = threading.Event()
 
     def _list(self) -> str | None:
-        data = call_json(self._list_call)
-        self._on_list(list(data.get("items") or []))
+        """List in pages, each item passed through `shrink` as it comes, so that a list of
+        many big objects never sits in memory whole."""
+        items: list[dict[str, Any]] = []
+        version: str | None = None
+        token: str | None = None
+        while True:
+            page = call_json(
+                self._list_call, limit=LIST_PAGE, **({"_continue": token} if token else {})
+            )
+            meta = page.get("metadata") or {}
+            version = version or str(meta.get("resourceVersion") or "") or None
+            items.extend(self._shrink(item) for item in page.get("items") or [])
+            del page
+            token = meta.get("continue") or None
+            if token is None:
+                break
+        self._on_list(items)
         self.synced.set()
-        return str((data.get("metadata") or {}).get("resourceVersion") or "") or None
+        return version
 
     def _watch(self, version: str | None) -> str | None:
         for kind, obj in watch_events(
@@ -94,92 +142,9 @@ class ListWatch(WatchLoop):
         return min(2.0 ** (failures_in_row - 1), MAX_RETRY_DELAY)
 
 
-def pod_ref(pod: Mapping[str, Any]) -> PodRef:
-    meta = pod.get("metadata") or {}
-    return PodRef(
-        str(meta.get("namespace", "")), str(meta.get("name", "")), str(meta.get("uid", ""))
-    )
-
-
 def deleted_by_us(pod: Mapping[str, Any]) -> bool:
     annotations = (pod.get("metadata") or {}).get("annotations") or {}
     return annotations.get(DELETED_BY_ANNOTATION) == RESTARTER
-
-
-def terminated_phase(pod: Mapping[str, Any]) -> bool:
-    return (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
-
-
-def exit_faults(pod: Mapping[str, Any], now: datetime, *, last: bool = True) -> list[Fault]:
-    """A fault for each container whose current (and with `last`, last) state is a non-zero
-    termination. A list passes last=False: a container kubelet restarted in place before the
-    restarter (re)started is running again, and its old exits are history, not faults."""
-    ref = pod_ref(pod)
-    node = str((pod.get("spec") or {}).get("nodeName") or "")
-    status = pod.get("status") or {}
-    faults = []
-    for cs in (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or []):
-        restarts = int(cs.get("restartCount") or 0)
-        states = (("state", restarts), ("lastState", restarts - 1))
-        for key, count in states if last else states[:1]:
-            term = (cs.get(key) or {}).get("terminated")
-            if not term or int(term.get("exitCode") or 0) == 0 or count < 0:
-                continue
-            faults.append(
-                Fault(
-                    id=container_exit_id(ref.uid, str(cs.get("name")), count),
-                    kind=FaultKind.CONTAINER_EXIT,
-                    node=node,
-                    observed_at=parse_time(term.get("finishedAt")) or now,
-                    pods=(ref,),
-                    container=str(cs.get("name")),
-                    exit_code=int(term["exitCode"]),
-                    reason=str(term.get("reason") or ""),
-                    source="restarter",
-                )
-            )
-    return faults
-
-
-def eviction_fault(pod: Mapping[str, Any], now: datetime) -> Fault | None:
-    status = pod.get("status") or {}
-    disruption = next(
-        (
-            c
-            for c in status.get("conditions") or []
-            if c.get("type") == "DisruptionTarget" and c.get("status") == "True"
-        ),
-        None,
-    )
-    if status.get("reason") != "Evicted" and disruption is None:
-        return None
-    ref = pod_ref(pod)
-    at = parse_time((disruption or {}).get("lastTransitionTime")) or now
-    return Fault(
-        id=f"evicted/{ref.uid}",
-        kind=FaultKind.POD_EVICTED,
-        node=str((pod.get("spec") or {}).get("nodeName") or ""),
-        observed_at=at,
-        pods=(ref,),
-        reason=str((disruption or {}).get("reason") or status.get("reason") or "Evicted"),
-        detail=str((disruption or {}).get("message") or status.get("message") or ""),
-        source="restarter",
-    )
-
-
-def force_delete_fault(pod: Mapping[str, Any], now: datetime) -> Fault | None:
-    meta = pod.get("metadata") or {}
-    if meta.get("deletionGracePeriodSeconds") != 0 or terminated_phase(pod):
-        return None
-    ref = pod_ref(pod)
-    return Fault(
-        id=f"forcedelete/{ref.uid}",
-        kind=FaultKind.POD_FORCE_DELETED,
-        node=str((pod.get("spec") or {}).get("nodeName") or ""),
-        observed_at=now,
-        pods=(ref,),
-        source="restarter",
-    )
 
 
 def is_not_ready(node: Mapping[str, Any]) -> bool:
@@ -213,8 +178,16 @@ class ClusterWatcher:
         self._lock = threading.Lock()
         self._pods: dict[str, dict[str, Any]] = {}  # uid → pod
         self._deleted: BoundedMap[str, dict[str, Any]] = BoundedMap(KEEP_DELETED)
+        # (namespace, name) → uid, of live pods and of the deleted ones kept: `find_pod` by
+        # name without a scan (the intake asks it for every pod an agent names).
+        self._names: dict[tuple[str, str], str] = {}
+        self._deleted_names: BoundedMap[tuple[str, str], str] = BoundedMap(KEEP_DELETED)
         self._ignored = BoundedSet(KEEP_IDS)
         self._emitted = BoundedSet(KEEP_IDS)
+        # The pods faults were seen on, whole as sent: replacing them needs no read.
+        self._whole: BoundedMap[str, dict[str, Any]] = BoundedMap(KEEP_WHOLE)
+        # old pod uid → its replacement's uid (the replacement's REPLACES_UID_ANNOTATION)
+        self._replacers: BoundedMap[str, str] = BoundedMap(KEEP_IDS)
         self._not_ready: dict[str, datetime] = {}  # node → since
         self._nodes: set[str] = set()
         self._stopping = threading.Event()
@@ -233,6 +206,7 @@ class ClusterWatcher:
                     call,
                     on_list=functools.partial(self._pods_listed, namespace),
                     on_event=self._pod_event,
+                    shrink=slim_pod,
                 )
             )
         self._watches.append(
@@ -273,14 +247,16 @@ class ClusterWatcher:
                 found = self._pods.get(ref.uid) or self._deleted.get(ref.uid)
                 if found is not None:
                     return found
-            for pod in (*self._pods.values(), *reversed(self._deleted.values())):
-                if (pod_ref(pod).namespace, pod_ref(pod).name) == (ref.namespace, ref.name):
-                    return pod
-        return None
+            name = (ref.namespace, ref.name)
+            uid = self._names.get(name)
+            if uid is not None and uid in self._pods:
+                return self._pods[uid]
+            uid = self._deleted_names.get(name)
+            return self._deleted.get(uid) if uid is not None else None
 
     def pods_on(self, node: str) -> list[dict[str, Any]]:
         with self._lock:
-            return [p for p in self._pods.values() if (p.get("spec") or {}).get("nodeName") == node]
+            return [p for p in self._pods.values() if pod_node(p) == node]
 
     def node_not_ready(self, node: str) -> bool:
         with self._lock:
@@ -291,43 +267,89 @@ class ClusterWatcher:
         with self._lock:
             return len(self._not_ready), len(self._nodes)
 
+    def whole(self, ref: PodRef) -> dict[str, Any] | None:
+        with self._lock:
+            return self._whole.get(ref.uid)
+
+    def pods_in(self, namespace: str) -> list[dict[str, Any]]:
+        with self._lock:
+            return [p for p in self._pods.values() if pod_ref(p).namespace == namespace]
+
+    def exists(self, ref: PodRef) -> bool:
+        with self._lock:
+            pod = self._pods.get(ref.uid)
+        return pod is not None and not (pod.get("metadata") or {}).get("deletionTimestamp")
+
+    def replaced(self, ref: PodRef) -> bool:
+        """Whether the restarter replaced this pod (a replacement names its uid) or deleted it
+        (our mark, or a deletion this process made)."""
+        with self._lock:
+            if ref.uid in self._replacers or ref.uid in self._ignored:
+                return True
+            pod = self._pods.get(ref.uid) or self._deleted.get(ref.uid)
+        return pod is not None and deleted_by_us(pod)
+
     # --- pods ----------------------------------------------------------------------------
 
     def _pods_listed(self, namespace: str | None, items: list[dict[str, Any]]) -> None:
         with self._lock:
             for uid, pod in list(self._pods.items()):
-                if namespace is None or pod_ref(pod).namespace == namespace:
+                ref = pod_ref(pod)
+                if namespace is None or ref.namespace == namespace:
                     del self._pods[uid]
+                    self._names.pop((ref.namespace, ref.name), None)
             for pod in items:
-                self._pods[pod_ref(pod).uid] = pod
+                self._keep(pod)
         for pod in items:
-            self._pod_faults(pod, deleted=False, listed=True)
+            self._pod_faults(pod, deleted=False)
 
     def _pod_event(self, kind: str, pod: dict[str, Any]) -> None:
-        uid = pod_ref(pod).uid
+        ref = pod_ref(pod)
         with self._lock:
             if kind == "DELETED":
-                self._pods.pop(uid, None)
-                self._deleted[uid] = pod
+                self._pods.pop(ref.uid, None)
+                name = (ref.namespace, ref.name)
+                if self._names.get(name) == ref.uid:
+                    del self._names[name]
+                # Whole only when not ours: a pod deleted by someone else is replaced from
+                # this copy, as there is none left to read.
+                ours = ref.uid in self._ignored or ref.uid in self._replacers
+                self._whole.pop(ref.uid, None)
+                self._deleted[ref.uid] = slim_pod(pod) if ours else pod
+                self._deleted_names[name] = ref.uid
             else:
-                self._pods[uid] = pod
+                self._keep(pod)
         self._pod_faults(pod, deleted=kind == "DELETED")
 
-    def _pod_faults(self, pod: dict[str, Any], *, deleted: bool, listed: bool = False) -> None:
+    def _keep(self, pod: dict[str, Any]) -> None:
+        """Cache a live pod (the lock held)."""
+        ref = pod_ref(pod)
+        self._pods[ref.uid] = slim_pod(pod)
+        self._names[(ref.namespace, ref.name)] = ref.uid
+        replaces = ((pod.get("metadata") or {}).get("annotations") or {}).get(
+            REPLACES_UID_ANNOTATION
+        )
+        if replaces:
+            self._replacers[str(replaces)] = ref.uid
+
+    def _pod_faults(self, pod: dict[str, Any], *, deleted: bool) -> None:
         with self._lock:
             if pod_ref(pod).uid in self._ignored:
                 return
         if deleted_by_us(pod):
             return
         now = self._clock()
-        faults = exit_faults(pod, now, last=not listed)
-        evicted = eviction_fault(pod, now)
+        faults = container_exit_faults(pod, now=now, source=SOURCE)
+        evicted = eviction_fault(pod, now=now, source=SOURCE)
         if evicted is not None:
             faults.append(evicted)
         if deleted and not faults:
-            forced = force_delete_fault(pod, now)
+            forced = force_deletion_fault(pod, now=now, source=SOURCE)
             if forced is not None:
                 faults.append(forced)
+        if faults and is_whole(pod):
+            with self._lock:
+                self._whole[pod_ref(pod).uid] = pod
         for fault in faults:
             self._emit(fault)
 
@@ -369,26 +391,25 @@ class ClusterWatcher:
                 if (now - s).total_seconds() >= self._node_grace
             ]
         for node, since in due:
-            for pod in self.pods_on(node):
-                if terminated_phase(pod) or deleted_by_us(pod):
-                    continue
-                ref = pod_ref(pod)
-                with self._lock:
-                    if ref.uid in self._ignored:
-                        continue
-                # A fault about a pod is never older than the pod.
-                created = parse_time((pod.get("metadata") or {}).get("creationTimestamp"))
-                self._emit(
-                    Fault(
-                        id=f"notready/{node}/{since.isoformat()}/{ref.uid}",
-                        kind=FaultKind.NODE_NOT_READY,
-                        node=node,
-                        observed_at=max(since, created) if created else since,
-                        pods=(ref,),
-                        detail=f"not Ready since {since.isoformat()}",
-                        source="restarter",
-                    )
-                )
+            spell = Fault(
+                id=node_not_ready_id(node, since),
+                kind=FaultKind.NODE_NOT_READY,
+                node=node,
+                observed_at=since,
+                detail=f"not Ready since {since.isoformat()}",
+                source=SOURCE,
+            )
+            with self._lock:
+                pods = [
+                    p
+                    for p in self._pods.values()
+                    if pod_node(p) == node
+                    and not terminated_phase(p)
+                    and not deleted_by_us(p)
+                    and pod_ref(p).uid not in self._ignored
+                ]
+            for fault in per_pod_faults(spell, pods):
+                self._emit(fault)
 
     def _emit(self, fault: Fault) -> None:
         with self._lock:

@@ -49,7 +49,9 @@ from edl_agent.devices.hostroot import HostRoot
 from edl_agent.dra.api import KubeDraApi
 from edl_agent.kube import ApiError, KubeApi
 from edl_agent.labels.ownership import OWNED_LABELS
+from edl_agent.restarter import cli as restarter_cli
 from edl_agent.restarter.events import reference
+from edl_agent.restarter.settings import RestarterSettings
 from tests.prometheus_runner import need
 
 REPO = Path(__file__).resolve().parents[2]
@@ -251,7 +253,7 @@ def test_the_manifests_agree_with_each_other_and_the_code(
     assert settings.faults.token_file == FaultSettings().token_file
     (source,) = volumes["restarter-token"]["projected"]["sources"]
     token = source["serviceAccountToken"]
-    assert token["audience"] == cli.build_parser().parse_args(["restarter"]).audience
+    assert token["audience"] == RestarterSettings().intake.audience
     assert settings.faults.token_file == f"{mounts['restarter-token']['mountPath']}/{token['path']}"
     (ca,) = volumes["restarter-ca"]["configMap"]["items"]
     assert settings.faults.ca_file == f"{mounts['restarter-ca']['mountPath']}/{ca['path']}"
@@ -319,7 +321,7 @@ def test_the_restarter_flags_are_the_commands_own() -> None:
     args = cli.build_parser().parse_args(restarter["args"])  # exits 2 on an unknown flag
 
     assert args.command == "restarter"
-    assert args.lease_name == "edl-restarter"
+    assert restarter_cli.settings_from_args(args, environ={}).election.lease_name == "edl-restarter"
 
 
 # --- (b) applied for real: what each ServiceAccount may do ----------------------------------

@@ -306,7 +306,9 @@ def worker_labels(index: int) -> dict[str, str]:
     return {"app": JOB, JOB_LABEL: JOB, TYPE_LABEL: "worker", INDEX_LABEL: str(index)}
 
 
-def create_worker(k8s: KwokCluster, index: int, node: str, pool: str) -> Any:
+def create_worker(
+    k8s: KwokCluster, index: int, node: str, pool: str, restart_policy: str = "Never"
+) -> Any:
     """A worker with one GPU, placed on `node` by spec.nodeName (scheduled before the test),
     with the pool's nodeSelector that its replacement keeps."""
     name = f"{JOB}-worker-{index}"
@@ -315,7 +317,7 @@ def create_worker(k8s: KwokCluster, index: int, node: str, pool: str) -> Any:
         spec=client.V1PodSpec(
             node_name=node,
             node_selector={POOL_LABEL: pool},
-            restart_policy="Never",
+            restart_policy=restart_policy,
             termination_grace_period_seconds=5,
             containers=[
                 client.V1Container(
@@ -493,6 +495,9 @@ def test_exit_code_and_xid79_replace_workers_on_real_kubelets(  # noqa: PLR0917 
     uids = {index: k8s.read_pod(f"{JOB}-worker-{index}").metadata.uid for index in placement}
     scene = Scene(k8s, nodes, agents, restarter, kube_scheduler, pod_log, objects)
 
+    # --- phase 0: an exit kubelet restarts in place is not also a replacement ------------------
+    in_place_phase(scene, node_b, pool)
+
     # --- phase 1: worker-1's container exits with 129 -------------------------------------------
     exited = f"{JOB}-worker-1"
     timeline = Timeline()
@@ -641,6 +646,61 @@ def _report(timeline: Timeline, item: pytest.Item, title: str) -> None:
     item.user_properties.append((f"timeline {title}", "\n".join(lines)))
 
 
+def in_place_phase(scene: Scene, node: str, pool: str) -> None:
+    """A worker of the job with restartPolicy OnFailure exits with 129, a code the policy
+    restarts: kubelet restarts the container in place, the agent reports the exit, and the
+    restarter records it as InPlace without replacing the pod (nor charging the limit)."""
+    k8s, ns = scene.k8s, scene.k8s.namespace
+    name = f"{JOB}-worker-4"
+    create_worker(k8s, 4, node, pool, restart_policy="OnFailure")
+    k8s.wait_pod_phase(name, "Running", timeout=STARTUP_TIMEOUT)
+    uid = k8s.read_pod(name).metadata.uid
+    scene.nodes[node].exit_container(ns, name, "trainer", EXIT_CODE)
+
+    def restarted_in_place(pod: Any) -> bool:
+        [status] = pod.status.container_statuses or [None]
+        last = getattr(getattr(status, "last_state", None), "terminated", None)
+        return bool(
+            status is not None
+            and status.restart_count >= 1
+            and last is not None
+            and last.exit_code == EXIT_CODE
+            and status.state.running is not None
+        )
+
+    wait_for(
+        "kubelet to restart it in place",
+        lambda: k8s.read_pod(name),
+        restarted_in_place,
+        STEP_TIMEOUT,
+    )
+    observed = wait_logged(
+        scene.agents[node].process,
+        "the agent's ContainerExit fault",
+        lambda e: e.get("event") == "fault observed" and e.get("pods") == [f"{ns}/{name}"],
+        STEP_TIMEOUT,
+    )
+    assert observed["exit_code"] == EXIT_CODE
+    job = wait_for(
+        "the restarter's InPlace decision",
+        lambda: job_status(scene.objects, ns).get("jobs", [{}])[0],
+        lambda job: any(
+            a["action"] == "InPlace" and a["pod"] == f"{ns}/{name}"
+            for a in job.get("lastActions", [])
+        ),
+        timeout=STEP_TIMEOUT,
+    )
+    assert not any(a["action"] == "Restart" for a in job.get("lastActions", [])), job
+    assert job.get("restarts", 0) == 0
+    time.sleep(3)  # time for a wrong replacement to show
+    assert pod_or_none(k8s, f"{name}-r1") is None
+    pod = k8s.read_pod(name)
+    assert pod.metadata.uid == uid
+    assert pod.metadata.deletion_timestamp is None
+    k8s.core.delete_namespaced_pod(name, ns)  # its GPU back for the replacements to come
+    wait_for("worker-4 gone", lambda: pod_or_none(k8s, name), lambda pod: pod is None, STEP_TIMEOUT)
+
+
 def exit_phase(scene: Scene, timeline: Timeline, pod: str, node: str) -> None:
     """Worker `pod`'s container exits with 129 through the fake runtime; kubelet reports it, the
     agent reports it, the restarter replaces the pod."""
@@ -772,7 +832,9 @@ def _follow_replacement(
     decision = wait_logged(
         scene.restarter,
         "the decision",
-        lambda e: e.get("event") == "decision" and e.get("fault_id") == fault_id,
+        # An agent's device fault is known to the restarter by an id scoped to its node
+        # (`agent/<node>/<id>`); an exit by the id the restarter's watcher derives too.
+        lambda e: e.get("event") == "decision" and str(e.get("fault_id")).endswith(fault_id),
         STEP_TIMEOUT,
     )
     timeline.mark("restarter: fault accepted, decision", logged_at(decision), decision["action"])

@@ -50,6 +50,7 @@ from manifests import (
 
 from edl_agent import cli, log
 from edl_agent.config import Settings
+from edl_agent.restarter import cli as restarter_cli
 
 ALL_ON = CHART / "ci" / "all-on-values.yaml"
 FIELD_MANAGER = "edl-test-helm"
@@ -283,9 +284,11 @@ def test_every_option_lands_where_it_should(
     assert restarter_pod["nodeSelector"] == values["restarter"]["nodeSelector"]
     assert restarter_pod["tolerations"] == values["restarter"]["tolerations"]
     assert "affinity" not in restarter_pod
-    parsed = cli.build_parser().parse_args(restarter["args"])
+    parsed = restarter_cli.settings_from_args(
+        cli.build_parser().parse_args(restarter["args"]), environ={}
+    )
     assert parsed.node_grace_seconds == 60
-    assert parsed.namespaces == ["training"]
+    assert list(parsed.namespaces) == ["training"]
 
     # TLS from cert-manager: the restarter serves the intake's Secret, the agents trust the CA
     # from the trust Secret, the certificate names the host the agents call.

@@ -10,16 +10,21 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from http import HTTPStatus
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 from k8s_test_helpers import KwokCluster, bound_tokens, forge_token
+from kubernetes.client.exceptions import ApiException
 
 from edl_agent._proto.edl.fault.v1 import fault_pb2, fault_pb2_grpc
 from edl_agent.faults.convert import to_proto
+from edl_agent.faults.ids import observer_scoped_id
 from edl_agent.faults.model import Fault, FaultKind, PodRef
 from edl_agent.faults.outbox import Outbox
+from edl_agent.faults.pod_faults import container_exit_faults
 from edl_agent.faults.sender import Sender, SenderSettings
 from edl_agent.restarter.auth import CachedReviewer, TokenReviewer, service_account_user
 from edl_agent.restarter.intake import FaultIntake, IntakeServer
@@ -37,16 +42,20 @@ def pod_bound_token(
 
 
 def fault(n: int, node: str) -> Fault:
+    """A device fault naming no pod: what it is judged on is who sends it about which node."""
     return Fault(
         id=f"fault-{n}",
-        kind=FaultKind.CONTAINER_EXIT,
+        kind=FaultKind.DEVICE_UNHEALTHY,
         node=node,
         observed_at=T0 + timedelta(seconds=n),
-        pods=(PodRef("ml", f"worker-{n}", f"uid-{n}"),),
-        container="worker",
-        exit_code=137,
-        reason="OOMKilled",
+        reason="XID79",
+        device_ids=("GPU-1",),
     )
+
+
+def kept(node: str, *numbers: int) -> Counter[str]:
+    """The ids the restarter keeps `fault(n, node)` under: scoped by the reporting node."""
+    return Counter(observer_scoped_id(node, f"fault-{n}") for n in numbers)
 
 
 def wait_until(what: str, done: Callable[[], bool], timeout: float = 20.0) -> None:
@@ -81,10 +90,21 @@ def restarter_for(k8s: KwokCluster, port: int = 0, audiences: tuple[str, ...] = 
         with lock:
             received.append(f)
 
+    def find_pod(ref: PodRef) -> dict[str, Any] | None:
+        """A pod cache that never lags: the API server itself."""
+        try:
+            pod = k8s.core.read_namespaced_pod(ref.name, ref.namespace)
+        except ApiException as exc:
+            if exc.status == HTTPStatus.NOT_FOUND:
+                return None
+            raise
+        return k8s.api.sanitize_for_serialization(pod)  # type: ignore[no-untyped-call,no-any-return]
+
     intake = FaultIntake(
         review=CachedReviewer(TokenReviewer(k8s.api, audiences=audiences)),
         agent_user=service_account_user(k8s.namespace, AGENT_SA),
         on_fault=sink,
+        find_pod=find_pod,
     )
     return Restarter(intake, IntakeServer(intake, listen=f"127.0.0.1:{port}"), received, lock)
 
@@ -136,7 +156,7 @@ def test_faults_about_the_agents_node_are_accepted_once(
     finally:
         sender.stop()
         outbox.close()
-    assert restarter.ids() == {"fault-0": 1, "fault-1": 1, "fault-2": 1}
+    assert restarter.ids() == kept(node_a, 0, 1, 2)
     assert {f.node for f in restarter.received} == {node_a}
     counts = sender.counts()
     assert (counts.accepted, counts.duplicates, counts.refused) == (3, 1, 0)
@@ -179,7 +199,7 @@ def test_refusals(k8s: KwokCluster, nodes: tuple[str, str], restarter: Restarter
         fault_pb2.VERDICT_ACCEPTED,
         fault_pb2.VERDICT_REFUSED,
     ]
-    assert restarter.ids() == {"fault-2": 1}
+    assert restarter.ids() == kept(node_b, 2)
 
 
 def test_the_sender_drops_a_refused_fault(
@@ -246,5 +266,30 @@ def test_the_outbox_outlives_a_restarter_outage_and_an_agent_restart(
         sender.stop()
         outbox.close()
         restarter.server.stop(0)
-    assert restarter.ids() == {f"fault-{n}": 1 for n in range(6)}
+    assert restarter.ids() == kept(node_a, *range(6))
     assert restarter.intake.counts().duplicates == 0
+
+
+def test_an_agent_is_believed_about_exits_of_its_own_node_s_pods_only(
+    k8s: KwokCluster, nodes: tuple[str, str], restarter: Restarter
+) -> None:
+    """A real exit of a pod on node B: node A's agent is refused, B's is believed, under the
+    exit's canonical id (the one the restarter's own watcher derives), once."""
+    node_a, node_b = nodes
+    pod = k8s.create_pod(node=node_b)
+    k8s.exit_pod(pod.metadata.name, 137)
+    status = k8s.api.sanitize_for_serialization(k8s.read_pod(pod.metadata.name))  # type: ignore[no-untyped-call]
+    [exited] = container_exit_faults(status, now=T0, source="agent")
+    as_a = Fault(**{**exited.__dict__, "node": node_a})
+    refused = report(restarter.address, [as_a], pod_bound_token(k8s, node_a))
+    assert [(a.verdict, a.reason) for a in refused.acks] == [
+        (fault_pb2.VERDICT_REFUSED, "pod_elsewhere")
+    ]
+    token_b = pod_bound_token(k8s, node_b)
+    invented = Fault(**{**exited.__dict__, "id": exited.id[:-1] + "5"})  # restart 5: not shown
+    believed = report(restarter.address, [exited, invented], token_b)
+    assert [(a.fault_id, a.verdict) for a in believed.acks] == [
+        (exited.id, fault_pb2.VERDICT_ACCEPTED),
+        (invented.id, fault_pb2.VERDICT_UNSPECIFIED),  # "retry later", then refused
+    ]
+    assert restarter.ids() == {exited.id: 1}

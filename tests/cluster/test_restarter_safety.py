@@ -122,7 +122,8 @@ def test_a_restarter_killed_mid_replacement_finishes_once_when_started_again(
 
     first = new_controller(k8s_api_client, k8s.namespace)
     calls = {"replace": 0, "delete": 0}
-    replace, delete = first.actuator.replace, first.actuator._delete
+    actuator: Any = first.port
+    replace, delete = actuator.replace, actuator._delete
 
     def dying_replace(pod: Any, **kwargs: Any) -> Any:
         calls["replace"] += 1
@@ -136,8 +137,8 @@ def test_a_restarter_killed_mid_replacement_finishes_once_when_started_again(
             raise Killed
         delete(pod, **kwargs)
 
-    first.actuator.replace = dying_replace  # type: ignore[method-assign]
-    first.actuator._delete = dying_delete  # type: ignore[method-assign]
+    actuator.replace = dying_replace
+    actuator._delete = dying_delete
     try:
         wait_for("the policy", lambda: first.knows_policy(k8s.namespace, "train"), bool, 10)
         exit_pod(k8s, "llm-worker-0", 137)

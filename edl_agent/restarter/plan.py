@@ -1,0 +1,155 @@
+"""Decisions for a batch of faults covered by one policy, and what recording them takes. Pure.
+
+The controller hands a policy's waiting faults here together, with the policy object as last
+read: each is decided against the status as the ones before it left it, and the whole batch is
+recorded with one status write. What comes back says what to write, which pods to replace
+once the write succeeded (the Restarts, recorded as pendingRestarts), and which faults to look
+at again later (the Backoffs, recorded as pendingBackoffs). Pending restarts whose pods are all
+gone are dropped in the same write, so finishing a restart costs no write of its own.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from edl_agent.faults.in_place import restarts_in_place
+from edl_agent.faults.model import Fault, FaultKind, PodRef
+from edl_agent.restarter.decide import Action, Decision, decide
+from edl_agent.restarter.policy import Policy, RestartScope
+from edl_agent.restarter.spec import parse_policy
+from edl_agent.restarter.status import (
+    PendingRestart,
+    apply_decision,
+    drop_pending,
+    pending_restarts,
+    read_job,
+    update_totals,
+)
+from edl_agent.typed import SchemaError
+
+Pod = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Task:
+    """One pod of a fault, to decide about under the policy `policy` (its name)."""
+
+    fault: Fault
+    pod: Pod
+    ref: PodRef
+    policy: str
+
+
+@dataclass
+class Plan:
+    status: dict[str, Any] | None = None
+    """The status to write (with the resourceVersion read); None: nothing to record."""
+    decisions: list[tuple[Task, Decision]] = field(default_factory=list)
+    restarts: list[PendingRestart] = field(default_factory=list)
+    """The Restarts recorded, with the pods each replaces."""
+    backoffs: list[tuple[Fault, datetime]] = field(default_factory=list)
+    finished: int = 0
+    """Pending restarts of earlier runs dropped as done."""
+
+
+def plan(
+    obj: Mapping[str, Any],
+    tasks: Sequence[Task],
+    *,
+    members: Callable[[Policy, Decision, Pod], list[Pod]],
+    replaced: Callable[[PodRef], bool],
+    now: datetime,
+) -> Plan:
+    """Decide `tasks` in order against the policy object `obj`.
+
+    `members(policy, decision, pod)`: the other live pods a Restart of `decision.scope` around
+    `pod` replaces. `replaced(ref)`: whether that pod is gone or replaced (its pending restart,
+    if any, is done)."""
+    result = Plan()
+    try:
+        policy = parse_policy(obj.get("spec"))
+    except (SchemaError, ValueError):
+        return result  # the policy watch marks it SpecValid=False; it covers nothing
+    status: dict[str, Any] = copy.deepcopy(dict(obj.get("status") or {}))
+    changed = False
+    for task in tasks:
+        labels = (task.pod.get("metadata") or {}).get("labels") or {}
+        identity = policy.identify(task.ref, labels)
+        if identity is None:
+            continue  # the policy no longer covers the pod
+        fault = task.fault
+        in_place = (
+            fault.kind is FaultKind.CONTAINER_EXIT
+            and fault.container is not None
+            and restarts_in_place(task.pod, fault.container, fault.exit_code or 0)
+        )
+        decision = decide(
+            fault=fault,
+            pod=identity,
+            policy=policy,
+            record=read_job(status, identity.job),
+            now=now,
+            in_place=in_place,
+        )
+        result.decisions.append((task, decision))
+        targets: list[Pod] = []
+        if decision.action is Action.RESTART:
+            targets = [task.pod]
+            if decision.scope is not RestartScope.POD:
+                targets += members(policy, decision, task.pod)
+        before = _backoffs_of(status, identity.job)
+        apply_decision(
+            status, decision, now=now, targets=[_ref(t, task.ref.namespace) for t in targets]
+        )
+        changed = changed or decision.action is not Action.STALE
+        changed = changed or before != _backoffs_of(status, identity.job)
+        if decision.action is Action.RESTART:
+            pending = PendingRestart(
+                job=identity.job,
+                fault_id=fault.id,
+                fault=fault.kind,
+                node=fault.node,
+                at=now,
+                pods=tuple(_ref(t, task.ref.namespace) for t in targets),
+            )
+            result.restarts.append(pending)
+        elif decision.action is Action.BACKOFF and decision.until is not None:
+            result.backoffs.append((fault, decision.until))
+    just_recorded = {(p.job, p.fault_id) for p in result.restarts}
+    done = [
+        (pending.job, pending.fault_id)
+        for pending in pending_restarts({"metadata": obj.get("metadata"), "status": status})
+        if (pending.job, pending.fault_id) not in just_recorded
+        and all(replaced(p) for p in pending.pods)
+    ]
+    if done:
+        drop_pending(status, done)
+        result.finished = len(done)
+    if changed or result.finished:
+        update_totals(status)
+        result.status = status
+    return result
+
+
+def tidy(obj: Mapping[str, Any], *, replaced: Callable[[PodRef], bool]) -> dict[str, Any] | None:
+    """The status without the pending restarts whose pods are all gone; None: none are."""
+    done = plan(obj, (), members=lambda *_: [], replaced=replaced, now=datetime.min)
+    return done.status
+
+
+def _backoffs_of(status: Mapping[str, Any], job: str) -> int:
+    for entry in status.get("jobs") or []:
+        if entry.get("name") == job:
+            return len(entry.get("pendingBackoffs") or [])
+    return 0
+
+
+def _ref(pod: Pod, namespace: str) -> PodRef:
+    meta = pod.get("metadata") or {}
+    return PodRef(
+        str(meta.get("namespace") or namespace), str(meta.get("name", "")), str(meta.get("uid", ""))
+    )

@@ -1,0 +1,348 @@
+"""The restarter's orchestration on the in-memory cluster: faults recorded before they are
+acknowledged, decided in batches with one status write, replaced once; backoffs and restarts
+recorded by one controller carried out by the next; API errors delay a fault and lose none."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from edl_agent.faults.model import Fault, FaultKind, PodRef
+from edl_agent.restarter.controller import Controller, NotRecorded
+from edl_agent.restarter.covering import PolicyIndex
+from edl_agent.restarter.dispatch import Admission, Dispatch
+from edl_agent.restarter.memory import InMemoryCluster
+from edl_agent.restarter.spec import parse_policy
+from edl_agent.restarter.storm import StormGuard
+from edl_agent.restarter.watchers import REPLACES_UID_ANNOTATION
+
+NS = "train"
+JOB, TYPE, INDEX = "edl.test/job", "edl.test/replica-type", "edl.test/replica-index"
+START = datetime(2026, 11, 24, 12, 0, tzinfo=UTC)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = START
+        self._lock = threading.Lock()
+
+    def __call__(self) -> datetime:
+        with self._lock:
+            return self.now
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self.now += timedelta(seconds=seconds)
+
+
+def spec(**extra: Any) -> dict[str, Any]:
+    return {
+        "selector": {"matchLabels": {"app": "train"}},
+        "jobLabel": JOB,
+        "replicaTypeLabel": TYPE,
+        "replicaIndexLabel": INDEX,
+        "backoff": {"initialSeconds": 0, "maxSeconds": 0},
+        "faultTolerantPolicy": [
+            {"restartPolicy": "ExitCode", "exitCodes": "1-200"},
+            {"restartPolicy": "OnNodeFail", "exceptionalEvent": "nodeNotReady"},
+        ],
+        **extra,
+    }
+
+
+def labels(job: str, index: int, replica_type: str = "worker") -> dict[str, str]:
+    return {"app": "train", JOB: job, TYPE: replica_type, INDEX: str(index)}
+
+
+@pytest.fixture
+def cluster() -> InMemoryCluster:
+    return InMemoryCluster()
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def start(cluster: InMemoryCluster, clock: Clock) -> Iterator[Callable[[], Controller]]:
+    running: list[Controller] = []
+
+    def make() -> Controller:
+        controller = Controller(port=cluster, pods=cluster, clock=clock, workers=2, tidy_after=0.5)
+        for (namespace, _), obj in list(cluster.policies.items()):
+            controller.policies_listed(
+                namespace, [cluster.read_policy(namespace, obj["metadata"]["name"])]
+            )
+        controller.start()
+        assert controller.recovered.wait(5)
+        running.append(controller)
+        return controller
+
+    yield make
+    for controller in running:
+        controller.stop()
+
+
+def exit_fault(
+    pod: dict[str, Any], code: int = 137, *, at: datetime = START, count: int = 0
+) -> Fault:
+    meta = pod["metadata"]
+    return Fault(
+        id=f"exit/{meta['uid']}/main/{count}",
+        kind=FaultKind.CONTAINER_EXIT,
+        node=pod["spec"]["nodeName"],
+        observed_at=at,
+        pods=(PodRef(NS, meta["name"], meta["uid"]),),
+        container="main",
+        exit_code=code,
+        source="agent",
+    )
+
+
+def failed(pod_status_code: int = 137) -> dict[str, Any]:
+    return {
+        "phase": "Failed",
+        "containerStatuses": [
+            {
+                "name": "main",
+                "restartCount": 0,
+                "state": {"terminated": {"exitCode": pod_status_code}},
+            }
+        ],
+    }
+
+
+def one_failed_pod(
+    cluster: InMemoryCluster, start: Callable[[], Controller], **policy: Any
+) -> tuple[dict[str, Any], Controller]:
+    """A policy, one pod of job `a` whose container failed, and a controller started."""
+    cluster.add_policy(NS, "p", spec(**policy))
+    pod = cluster.add_pod(NS, "a-0", labels=labels("a", 0), status=failed())
+    return pod, start()
+
+
+def wait_until(check: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def names(cluster: InMemoryCluster) -> list[str]:
+    return [p["metadata"]["name"] for p in cluster.live(NS)]
+
+
+def job_entry(cluster: InMemoryCluster, job: str) -> dict[str, Any]:
+    status = cluster.policies[(NS, "p")].get("status") or {}
+    return next(j for j in status.get("jobs", []) if j["name"] == job)
+
+
+def test_an_accepted_fault_is_recorded_before_the_ack_and_replaced_with_three_writes(
+    cluster: InMemoryCluster, start: Callable[[], Controller]
+) -> None:
+    pod, controller = one_failed_pod(cluster, start)
+    controller.accept(exit_fault(pod))
+    # Acknowledged: the decision is in the policy's status already.
+    assert job_entry(cluster, "a")["restarts"] == 1
+    wait_until(lambda: names(cluster) == ["a-0-r1"])
+    new = cluster.live(NS)[0]
+    assert new["metadata"]["annotations"][REPLACES_UID_ANNOTATION] == pod["metadata"]["uid"]
+    # One status write (decision and pending restart), a create, a delete.
+    assert cluster.writes() == 3
+    # The pending restart is dropped by the next tidy pass, once its pod is gone.
+    wait_until(lambda: "pendingRestarts" not in job_entry(cluster, "a"), timeout=5)
+
+
+def test_a_fault_that_cannot_be_recorded_is_not_acknowledged_and_its_resend_is_decided(
+    cluster: InMemoryCluster, start: Callable[[], Controller]
+) -> None:
+    pod, controller = one_failed_pod(cluster, start)
+    cluster.failing.add("write_status")
+    with pytest.raises(NotRecorded):
+        controller.accept(exit_fault(pod))
+    assert names(cluster) == ["a-0"]
+    cluster.failing.clear()
+    controller.accept(exit_fault(pod))  # not "duplicate": it was never recorded
+    wait_until(lambda: names(cluster) == ["a-0-r1"])
+
+
+def test_the_same_exit_from_the_agent_and_the_watcher_replaces_the_pod_once(
+    cluster: InMemoryCluster, start: Callable[[], Controller]
+) -> None:
+    pod, controller = one_failed_pod(cluster, start)
+    fault = exit_fault(pod)
+    controller.submit(fault)
+    controller.accept(fault)
+    wait_until(lambda: names(cluster) == ["a-0-r1"])
+    controller.accept(fault)
+    time.sleep(0.1)
+    assert names(cluster) == ["a-0-r1"]
+    assert job_entry(cluster, "a")["restarts"] == 1
+
+
+def test_the_old_pod_s_exit_as_it_is_deleted_is_no_second_fault(
+    cluster: InMemoryCluster, start: Callable[[], Controller]
+) -> None:
+    pod, controller = one_failed_pod(cluster, start)
+    controller.accept(exit_fault(pod))
+    wait_until(lambda: names(cluster) == ["a-0-r1"])
+    later = exit_fault(pod, 143, at=START + timedelta(minutes=1), count=1)
+    controller.accept(later)
+    assert names(cluster) == ["a-0-r1"]
+    assert job_entry(cluster, "a")["restarts"] == 1
+
+
+def test_a_burst_in_one_policy_is_recorded_in_a_few_writes_and_each_pod_replaced_once(
+    cluster: InMemoryCluster, start: Callable[[], Controller]
+) -> None:
+    cluster.add_policy(NS, "p", spec())
+    pods = [
+        cluster.add_pod(NS, f"j{i}-0", labels=labels(f"j{i}", 0), status=failed())
+        for i in range(200)
+    ]
+    controller = start()
+    threads = [threading.Thread(target=controller.accept, args=(exit_fault(p),)) for p in pods]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wait_until(lambda: all(n.endswith("-r1") for n in names(cluster)))
+    assert sorted(names(cluster)) == sorted(f"j{i}-0-r1" for i in range(200))
+    status_writes = cluster.calls["write_status"]
+    assert status_writes <= 100, status_writes  # batched: fewer writes than faults
+    assert cluster.policies[(NS, "p")]["status"]["restarts"] == 200
+
+
+def test_a_backoff_is_recorded_and_carried_out_by_the_next_controller_at_its_time(
+    cluster: InMemoryCluster, clock: Clock, start: Callable[[], Controller]
+) -> None:
+    pod, first = one_failed_pod(cluster, start, backoff={"initialSeconds": 30, "maxSeconds": 60})
+    first.accept(exit_fault(pod))
+    wait_until(lambda: names(cluster) == ["a-0-r1"])
+    clock.advance(5)
+    stored = cluster.pods[cluster.live(NS)[0]["metadata"]["uid"]]
+    stored["spec"]["nodeName"], stored["status"] = "node-1", failed()
+    replacement = cluster.live(NS)[0]
+    first.accept(exit_fault(replacement, at=clock()))  # the second in a row: waits 30 s
+    entry = job_entry(cluster, "a")
+    assert entry["lastActions"][-1]["action"] == "Backoff"
+    assert [b["faultId"] for b in entry["pendingBackoffs"]] == [exit_fault(replacement).id]
+    first.stop()  # as if killed: the backoff lives on only in the status
+
+    second = start()
+    clock.advance(20)
+    time.sleep(0.5)
+    assert names(cluster) == ["a-0-r1"]  # not before its time
+    clock.advance(11)
+    wait_until(lambda: names(cluster) == ["a-0-r2"])
+    assert "pendingBackoffs" not in job_entry(cluster, "a")
+    assert job_entry(cluster, "a")["restarts"] == 2
+    assert second.workers_alive()
+
+
+def test_a_restart_recorded_but_not_carried_out_is_finished_once_by_the_next_controller(
+    cluster: InMemoryCluster, start: Callable[[], Controller]
+) -> None:
+    pod, first = one_failed_pod(cluster, start)
+    cluster.failing.add("create_pod")
+    first.accept(exit_fault(pod))  # recorded; the replacement fails
+    assert job_entry(cluster, "a")["pendingRestarts"]
+    first.stop()
+    cluster.failing.clear()
+    start()
+    wait_until(lambda: names(cluster) == ["a-0-r1"])
+    wait_until(lambda: "pendingRestarts" not in job_entry(cluster, "a"))
+    assert job_entry(cluster, "a")["restarts"] == 1
+
+
+def test_an_exit_kubelet_restarts_in_place_is_recorded_but_not_replaced(
+    cluster: InMemoryCluster, start: Callable[[], Controller]
+) -> None:
+    cluster.add_policy(NS, "p", spec())
+    running = {
+        "phase": "Running",
+        "containerStatuses": [
+            {
+                "name": "main",
+                "restartCount": 1,
+                "state": {"running": {}},
+                "lastState": {"terminated": {"exitCode": 3}},
+            }
+        ],
+    }
+    pod = cluster.add_pod(
+        NS, "a-0", labels=labels("a", 0), spec={"restartPolicy": "OnFailure"}, status=running
+    )
+    controller = start()
+    controller.accept(exit_fault(pod, 3))
+    assert job_entry(cluster, "a")["lastActions"][-1]["action"] == "InPlace"
+    assert names(cluster) == ["a-0"]
+    assert job_entry(cluster, "a")["restarts"] == 0
+
+
+def test_a_scope_all_restart_replaces_every_pod_of_the_job_once(
+    cluster: InMemoryCluster, start: Callable[[], Controller]
+) -> None:
+    rules = [{"restartPolicy": "ExitCode", "exitCodes": "137", "restartScope": "All"}]
+    cluster.add_policy(NS, "p", spec(faultTolerantPolicy=rules))
+    pods = [cluster.add_pod(NS, f"a-{i}", labels=labels("a", i), status=failed()) for i in range(3)]
+    cluster.add_pod(NS, "b-0", labels=labels("b", 0))
+    controller = start()
+    controller.accept(exit_fault(pods[0]))
+    controller.accept(exit_fault(pods[1]))  # the same restart replaced it: stale
+    wait_until(lambda: sorted(names(cluster)) == ["a-0-r1", "a-1-r1", "a-2-r1", "b-0"])
+    assert job_entry(cluster, "a")["restarts"] == 1
+
+
+def test_the_dispatch_holds_node_faults_in_a_storm_and_releases_those_still_failing() -> None:
+    dispatch: Dispatch[str] = Dispatch(StormGuard(max_share=0.1, min_nodes=2))
+    assert dispatch.nodes_seen(3, 10, lambda _: True) is not None
+    faults = [Fault(f"notready/n{i}", FaultKind.NODE_NOT_READY, f"n{i}", START) for i in range(3)]
+    assert [dispatch.admit(f) for f in faults] == [Admission.HELD] * 3
+    change = dispatch.nodes_seen(1, 10, lambda node: node == "n1")
+    assert change is not None
+    assert not change.storming
+    assert [f.id for f in change.released] == ["notready/n1"]
+    assert change.dropped == 2
+
+
+def test_the_dispatch_joins_copies_in_hand_and_forgets_what_was_not_recorded() -> None:
+    dispatch: Dispatch[str] = Dispatch()
+    fault = Fault("x", FaultKind.CONTAINER_EXIT, "n", START)
+    assert dispatch.admit(fault, "first") is Admission.NEW
+    assert dispatch.admit(fault, "second") is Admission.JOINED
+    assert dispatch.settle("x", recorded=False) == ["first", "second"]
+    assert dispatch.admit(fault) is Admission.NEW  # forgotten: decided again
+    dispatch.settle("x", recorded=True)
+    assert dispatch.admit(fault) is Admission.DUPLICATE
+    assert dispatch.admit(fault, retry=True) is Admission.NEW
+    dispatch.schedule(fault, START + timedelta(seconds=5))
+    assert dispatch.due(START) == []
+    assert dispatch.due(START + timedelta(seconds=5)) == [fault]
+
+
+def test_the_policy_index_finds_the_covering_policies_among_many() -> None:
+    index = PolicyIndex()
+    for i in range(1000):
+        selector = {"matchLabels": {"app": "train", JOB: f"j{i}"}}
+        index.put(NS, f"p{i:04d}", parse_policy(spec(selector=selector)))
+    everything = parse_policy(
+        spec(selector={"matchExpressions": [{"key": "app", "operator": "Exists"}]})
+    )
+    index.put(NS, "all", everything)
+    index.put(NS, "broken", None)
+    ref = PodRef(NS, "j7-0", "u")
+    assert [name for name, _ in index.covering(NS, ref, labels("j7", 0))] == ["all", "p0007"]
+    assert index.covering("elsewhere", ref, labels("j7", 0)) == []
+    # Refiled under its new selector, and no longer under the old one.
+    index.put(NS, "p0007", parse_policy(spec(selector={"matchLabels": {JOB: "other"}})))
+    assert [name for name, _ in index.covering(NS, ref, labels("j7", 0))] == ["all"]
+    assert [name for name, _ in index.covering(NS, ref, labels("other", 0))] == ["all", "p0007"]
+    index.remove(NS, "all")
+    assert index.covering(NS, ref, labels("j7", 0)) == []
