@@ -3,8 +3,9 @@
 The decisions themselves are pure (`dispatch` drops duplicates, holds node faults in a storm and
 keeps the backoff schedule; `plan` decides a batch of faults under one policy and says what to
 record); this module only moves faults between threads and carries out what those say,
-through two small ports (`port`): on a real API server `Actuator` and `ClusterWatcher`, in
-tests `memory.InMemoryCluster`.
+through two small ports (`port`): on a real API server `Actuator` and `ClusterWatcher`
+(`kube_controller.connect` wires them), in tests `memory.InMemoryCluster`. Nothing here builds
+an API client.
 
 A dispatcher thread takes each fault, asks `Dispatch`, and hands each pod of a fault to one of
 `workers` threads chosen by the policy that covers the pod, so the faults of one policy are
@@ -27,29 +28,25 @@ next write, or by a tidy pass once the policy is quiet.
 from __future__ import annotations
 
 import contextlib
-import functools
 import queue
-import socket
 import threading
 import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
-from kubernetes import client
 
 from edl_agent.backoff import Backoff
 from edl_agent.faults.model import Fault, FaultKind, PodRef
 from edl_agent.kube import ApiError
 from edl_agent.kube_time import format_micro_time
-from edl_agent.restarter.actuator import GROUP, PLURAL, VERSION, Actuator
 from edl_agent.restarter.covering import PolicyIndex
 from edl_agent.restarter.decide import Action, Decision
 from edl_agent.restarter.dispatch import Admission, Dispatch
-from edl_agent.restarter.events import EventWriter, reference
+from edl_agent.restarter.events import reference
 from edl_agent.restarter.metrics import RestarterMetrics
 from edl_agent.restarter.plan import Plan, Pod, Task, plan, tidy
 from edl_agent.restarter.pod_cache import is_whole
@@ -58,7 +55,7 @@ from edl_agent.restarter.port import ClusterPort, Conflict, PodView
 from edl_agent.restarter.spec import parse_policy
 from edl_agent.restarter.status import PendingRestart, pending_backoffs, pending_restarts
 from edl_agent.restarter.storm import StormGuard
-from edl_agent.restarter.watchers import ClusterWatcher, ListWatch, deleted_by_us, pod_ref
+from edl_agent.restarter.watchers import deleted_by_us, pod_ref
 from edl_agent.typed import SchemaError
 
 log = structlog.get_logger(__name__)
@@ -104,54 +101,54 @@ class _Progress:
     ok: bool = True
 
 
+class Source(Protocol):
+    """Something that feeds the controller (its faults, its policies) from a cluster."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def wait_synced(self, timeout: float) -> bool:
+        """Whether it has listed what it watches (waiting up to `timeout` seconds)."""
+        ...
+
+
+class EventSink(Protocol):
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def emit(self, involved: Mapping[str, str], kind: str, reason: str, message: str) -> None: ...
+
+
 class Controller:
     def __init__(
         self,
-        api: client.ApiClient | None = None,
         *,
-        port: ClusterPort | None = None,
-        pods: PodView | None = None,
-        namespaces: Iterable[str] = (),
-        node_grace: float = 40.0,
+        port: ClusterPort,
+        pods: PodView,
+        sources: Iterable[Source] = (),
         storm: StormGuard | None = None,
         metrics: RestarterMetrics | None = None,
-        events: EventWriter | None = None,
+        events: EventSink | None = None,
         storm_object: Mapping[str, str] | None = None,
         workers: int = 16,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
-        drop_labels: Iterable[str] | None = None,
         tidy_after: float = TIDY_AFTER,
     ) -> None:
-        """With `api`, the ports are the API server's (pods, nodes and policies watched);
-        without, `port` and `pods` are required and policies arrive through `policy_event`.
+        """`port` and `pods`: the cluster (see `port`; `kube_controller.connect` builds them
+        for an API server); `sources` are started and stopped with the controller, and feed it
+        faults (`submit`, `accept`) and policies (`policies_listed`, `policy_event`).
         `storm_object`: the object (see `events.reference`) storm Events are about."""
         self._clock = clock
-        self._namespaces = list(namespaces)
         self.metrics = metrics or RestarterMetrics()
         self._events = events
         self._storm_object = storm_object
         self._dispatch: Dispatch[_Waiter] = Dispatch(storm or StormGuard())
         self.recovered = threading.Event()
-        self.watcher: ClusterWatcher | None = None
-        self._policy_watches: list[ListWatch] = []
-        if api is not None:
-            self._events = events or EventWriter(api, instance=socket.gethostname())
-            self.watcher = ClusterWatcher(
-                api, on_fault=self.submit, namespaces=self._namespaces, node_grace=node_grace
-            )
-            port = port or Actuator(
-                api,
-                before_delete=self.watcher.ignore_uid,
-                drop_labels=drop_labels,
-                on_write=lambda what: self.metrics.api_writes.labels(what).inc(),
-            )
-            pods = pods or self.watcher
-            self._watch_policies(api)
-        if port is None or pods is None:
-            msg = "Controller needs an API client, or both a port and a pod view"
-            raise TypeError(msg)
-        self.port: ClusterPort = port
-        self.pods: PodView = pods
+        self.port = port
+        self.pods = pods
+        self._sources = list(sources)
         self._queue: queue.Queue[_Item] = queue.Queue()
         self._busy = 0  # faults and tasks in hand (under _lock)
         self.metrics.queue_depth.set_function(self.queue_depth)
@@ -175,48 +172,31 @@ class Controller:
             for i, q in enumerate(self._tasks)
         ]
 
-    def _watch_policies(self, api: client.ApiClient) -> None:
-        objects: Any = client.CustomObjectsApi(api)
-        scopes: list[str | None] = [*self._namespaces] or [None]
-        for namespace in scopes:
-
-            def call(ns: str | None = namespace, **kwargs: Any) -> Any:
-                if ns is None:
-                    return objects.list_cluster_custom_object(GROUP, VERSION, PLURAL, **kwargs)
-                return objects.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, **kwargs)
-
-            self._policy_watches.append(
-                ListWatch(
-                    f"policies/{namespace or '*'}",
-                    call,
-                    on_list=functools.partial(self.policies_listed, namespace),
-                    on_event=self.policy_event,
-                )
-            )
+    def add_source(self, source: Source) -> None:
+        """Another feed, started with the controller (before `start`)."""
+        self._sources.append(source)
 
     # --- lifecycle -----------------------------------------------------------------------
 
     def start(self) -> None:
         if self._events is not None:
             self._events.start()
-        for watch in self._policy_watches:
-            watch.start()
-        if self.watcher is not None:
-            self.watcher.start()
+        for source in self._sources:
+            source.start()
         self._worker.start()
         for worker in self._workers:
             worker.start()
 
     def wait_synced(self, timeout: float = 30.0) -> bool:
-        policies = all(w.synced.wait(timeout) for w in self._policy_watches)
-        return policies and (self.watcher is None or self.watcher.wait_synced(timeout))
+        deadline = time.monotonic() + timeout
+        return all(
+            source.wait_synced(max(0.0, deadline - time.monotonic())) for source in self._sources
+        )
 
     def stop(self) -> None:
         self._stopping.set()
-        if self.watcher is not None:
-            self.watcher.stop()
-        for watch in self._policy_watches:
-            watch.stop()
+        for source in self._sources:
+            source.stop()
         if self._worker.is_alive():
             self._worker.join(timeout=10)
         for tasks in self._tasks:

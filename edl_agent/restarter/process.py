@@ -16,9 +16,9 @@ from edl_agent.backoff import Backoff
 from edl_agent.errors import UsageError
 from edl_agent.metrics.server import MetricsServer
 from edl_agent.restarter.auth import CachedReviewer, TokenReviewer
-from edl_agent.restarter.controller import Controller
 from edl_agent.restarter.events import EventWriter
 from edl_agent.restarter.intake import FaultIntake, IntakeError, IntakeServer
+from edl_agent.restarter.kube_controller import connect
 from edl_agent.restarter.leader import LeaderElector, label_own_pod
 from edl_agent.restarter.metrics import RestarterMetrics
 from edl_agent.restarter.settings import RestarterSettings
@@ -42,7 +42,7 @@ class Restarter:
         self.metrics = RestarterMetrics()
         self.stop = threading.Event()
         self.exit_code = 0
-        self.controller = Controller(
+        self.controller = connect(
             api,
             namespaces=settings.namespaces,
             node_grace=settings.node_grace_seconds,

@@ -20,6 +20,7 @@ from kubernetes.client.exceptions import ApiException
 
 from edl_agent.restarter.actuator import RESTART_COUNT_ANNOTATION, RESTART_COUNT_ENV, Actuator
 from edl_agent.restarter.controller import Controller
+from edl_agent.restarter.kube_controller import connect
 from edl_agent.restarter.status import LIMIT_EXCEEDED
 from edl_agent.restarter.watchers import DELETED_BY_ANNOTATION
 
@@ -61,7 +62,7 @@ def controller(
     config = copy.copy(k8s_api_client.configuration)
     config.connection_pool_maxsize = 16
     api = client.ApiClient(config)
-    running = Controller(api, namespaces=[k8s.namespace], node_grace=1.0)
+    running = connect(api, namespaces=[k8s.namespace], node_grace=1.0)
     running.start()
     assert running.wait_synced(30)
     yield running
@@ -384,7 +385,7 @@ def test_the_restarter_works_with_only_its_rbac(
     config.api_key_prefix = {"authorization": "Bearer"}
     config.connection_pool_maxsize = 16
     api = client.ApiClient(config)
-    running = Controller(api, namespaces=[k8s.namespace], node_grace=1.0)
+    running = connect(api, namespaces=[k8s.namespace], node_grace=1.0)
     running.start()
     try:
         assert running.wait_synced(30)

@@ -42,6 +42,7 @@ from test_restarter import (  # fixtures too: pytest finds them among the module
 
 from edl_agent.restarter.controller import Controller
 from edl_agent.restarter.events import EventWriter
+from edl_agent.restarter.kube_controller import connect
 from edl_agent.restarter.leader import LEADER_LABEL
 from edl_agent.restarter.storm import StormGuard
 
@@ -68,7 +69,7 @@ def policy_body(namespace: str, name: str = "train", **spec: Any) -> dict[str, A
 def new_controller(api: client.ApiClient, namespace: str, **kwargs: Any) -> Controller:
     config = copy.copy(api.configuration)
     config.connection_pool_maxsize = 16
-    running = Controller(client.ApiClient(config), namespaces=[namespace], **kwargs)
+    running = connect(client.ApiClient(config), namespaces=[namespace], **kwargs)
     running.start()
     assert running.wait_synced(30)
     return running
@@ -254,7 +255,7 @@ def test_the_storm_guard_holds_node_restarts_until_the_storm_is_over(
     }
     config = copy.copy(k8s_api_client.configuration)
     api = client.ApiClient(config)
-    running = Controller(
+    running = connect(
         api,
         namespaces=[k8s.namespace],
         node_grace=1.0,
