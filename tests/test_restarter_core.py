@@ -346,3 +346,25 @@ def test_the_policy_index_finds_the_covering_policies_among_many() -> None:
     assert [name for name, _ in index.covering(NS, ref, labels("other", 0))] == ["all", "p0007"]
     index.remove(NS, "all")
     assert index.covering(NS, ref, labels("j7", 0)) == []
+
+
+def test_an_in_place_exit_seen_again_is_not_written_again(
+    cluster: InMemoryCluster, start: Callable[[], Controller]
+) -> None:
+    cluster.add_policy(NS, "p", spec())
+    running = {
+        "phase": "Running",
+        "containerStatuses": [
+            {"name": "main", "restartCount": 1, "lastState": {"terminated": {"exitCode": 3}}}
+        ],
+    }
+    pod = cluster.add_pod(
+        NS, "a-0", labels=labels("a", 0), spec={"restartPolicy": "Always"}, status=running
+    )
+    first = start()
+    first.accept(exit_fault(pod, 3))
+    writes = cluster.calls["write_status"]
+    first.stop()
+    start().accept(exit_fault(pod, 3))  # a new leader derives it again from lastState
+    assert cluster.calls["write_status"] == writes
+    assert [a["action"] for a in job_entry(cluster, "a")["lastActions"]] == ["InPlace"]

@@ -101,6 +101,8 @@ def plan(
             targets = [task.pod]
             if decision.scope is not RestartScope.POD:
                 targets += members(policy, decision, task.pod)
+        if decision.action is Action.IN_PLACE and _recorded(status, identity.job, fault.id):
+            continue  # seen again (a re-list after a restart): nothing new to record
         before = _backoffs_of(status, identity.job)
         apply_decision(
             status, decision, now=now, targets=[_ref(t, task.ref.namespace) for t in targets]
@@ -139,6 +141,14 @@ def tidy(obj: Mapping[str, Any], *, replaced: Callable[[PodRef], bool]) -> dict[
     """The status without the pending restarts whose pods are all gone; None: none are."""
     done = plan(obj, (), members=lambda *_: [], replaced=replaced, now=datetime.min)
     return done.status
+
+
+def _recorded(status: Mapping[str, Any], job: str, fault_id: str) -> bool:
+    """Whether the job's last actions hold a decision about `fault_id` already."""
+    for entry in status.get("jobs") or []:
+        if entry.get("name") == job:
+            return any(a.get("faultId") == fault_id for a in entry.get("lastActions") or [])
+    return False
 
 
 def _backoffs_of(status: Mapping[str, Any], job: str) -> int:
