@@ -10,10 +10,12 @@ Everything listens on free 127.0.0.1 ports and lives in one state directory:
     DIR/kwok-home/       HOME for kwok, so it never reads ~/.kwok
 
 ``start(DIR)`` returns once ``/readyz`` answers; ``stop(DIR)`` ends the processes and removes
-what ``start`` created. Attached mode (the pytest fixtures) ties the processes to the
-calling process: their own process group, PR_SET_PDEATHSIG=SIGKILL and an atexit hook, so
-they die with it even if it crashes. Detached mode (``scripts/test-cluster up``) leaves them
-running for a later ``scripts/test-cluster down DIR``.
+what ``start`` created; ``restart_apiserver(plane)`` stops kube-apiserver alone and starts it
+again on the same port and state (an API server outage, for chaos tests). Attached mode (the
+pytest fixtures) ties the processes to the calling process: their own process group,
+PR_SET_PDEATHSIG=SIGKILL and an atexit hook, so they die with it even if it crashes. Detached
+mode (``scripts/test-cluster up``) leaves them running for a later
+``scripts/test-cluster down DIR``.
 
 Standard library only (plus the openssl CLI).
 """
@@ -319,6 +321,14 @@ def _die_with_parent() -> Callable[[], None]:
     return preexec
 
 
+def _process_env(directory: Path) -> dict[str, str]:
+    """The environment every control-plane process runs with (HOME keeps kwok off ~/.kwok)."""
+    return {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(directory / "kwok-home"),
+    }
+
+
 def _spawn(
     name: str, argv: list[str], directory: Path, *, attached: bool, env: dict[str, str]
 ) -> subprocess.Popen[bytes]:
@@ -450,10 +460,7 @@ def _start_once(
         (directory / "kwok-home").mkdir()
         plane.token = _make_pki(directory / "pki")
         _write_kubeconfig(kubeconfig, server, plane.ca_file, plane.token)
-        env = {
-            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-            "HOME": str(directory / "kwok-home"),
-        }
+        env = _process_env(directory)
         argvs = {
             "etcd": _etcd_argv(binaries["etcd"], directory, etcd_port, peer_port),
             "kube-apiserver": _apiserver_argv(
@@ -564,6 +571,59 @@ def stop(directory: Path, *, timeout: float = 15.0) -> list[int]:
         raise ControlPlaneError(f"processes {left} from {directory} did not exit")
     _remove_state(directory, state)
     return [pid for _, (pid, _) in sorted(pids.items())]
+
+
+def restart_apiserver(
+    plane: ControlPlane, *, stop_timeout: float = 15.0, timeout: float = 60.0
+) -> float:
+    """Stop kube-apiserver and start it again: same flags, port, certificates and etcd, so
+    clients only see it go away and come back (etcd and kwok keep running). SIGTERM first,
+    SIGKILL after ``stop_timeout``. Returns once ``/readyz`` answers again; the seconds it was
+    down. Attached: call it from the thread that started the plane (PR_SET_PDEATHSIG is tied to
+    the thread that spawns a process)."""
+    directory = plane.directory
+    state = _read_state(directory)
+    if state is None:
+        raise ControlPlaneError(f"no control plane state in {directory}")
+    processes = state.get("processes")
+    ports = state.get("ports")
+    entry = processes.get("kube-apiserver") if isinstance(processes, dict) else None
+    port = ports.get("kube-apiserver") if isinstance(ports, dict) else None
+    if not isinstance(entry, dict) or not isinstance(port, int):
+        raise ControlPlaneError(f"{directory / 'state.json'} names no kube-apiserver")
+    pid, start_time = entry["pid"], entry.get("start_time")
+    down = time.monotonic()
+    if pid_alive(pid, start_time):
+        _signal_group(pid, signal.SIGTERM)
+        deadline = time.monotonic() + stop_timeout
+        while pid_alive(pid, start_time) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if pid_alive(pid, start_time):
+            _signal_group(pid, signal.SIGKILL)
+    old = plane._procs.get("kube-apiserver")
+    if old is not None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            old.wait(timeout=5)  # reap it: no zombie, and the port is free again
+    proc = _spawn(
+        "kube-apiserver",
+        list(entry["argv"]),
+        directory,
+        attached=plane.attached,
+        env=_process_env(directory),
+    )
+    plane._procs["kube-apiserver"] = proc
+    plane.pids["kube-apiserver"] = proc.pid
+    entry.update(pid=proc.pid, start_time=_start_time(proc.pid))
+    (directory / "state.json").write_text(json.dumps(state, indent=2) + "\n")
+    _wait_ready(
+        port=port,
+        ca_file=plane.ca_file,
+        token=plane.token,
+        procs={"kube-apiserver": proc},
+        directory=directory,
+        timeout=timeout,
+    )
+    return time.monotonic() - down
 
 
 def _remove_state(directory: Path, state: dict[str, object]) -> None:

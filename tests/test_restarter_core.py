@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 
 from edl_agent.faults.model import Fault, FaultKind, PodRef
+from edl_agent.restarter.checkpoint import ANNOTATION as CHECKPOINT
+from edl_agent.restarter.checkpoint import Checkpoint
 from edl_agent.restarter.controller import Controller, NotRecorded
 from edl_agent.restarter.covering import PolicyIndex
 from edl_agent.restarter.dispatch import Admission, Dispatch
@@ -60,13 +62,13 @@ def labels(job: str, index: int, replica_type: str = "worker") -> dict[str, str]
 
 
 @pytest.fixture
-def cluster() -> InMemoryCluster:
-    return InMemoryCluster()
+def clock() -> Clock:
+    return Clock()
 
 
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
+def cluster(clock: Clock) -> InMemoryCluster:
+    return InMemoryCluster(clock)
 
 
 @pytest.fixture
@@ -368,3 +370,88 @@ def test_an_in_place_exit_seen_again_is_not_written_again(
     start().accept(exit_fault(pod, 3))  # a new leader derives it again from lastState
     assert cluster.calls["write_status"] == writes
     assert [a["action"] for a in job_entry(cluster, "a")["lastActions"]] == ["InPlace"]
+
+
+def test_a_replacement_that_fails_within_the_second_of_its_restart_is_restarted_again(
+    cluster: InMemoryCluster, clock: Clock, start: Callable[[], Controller]
+) -> None:
+    """Exit times have whole seconds: the replacement's exit reads as older than the restart
+    that made it, and must not be taken as stale."""
+    pod, controller = one_failed_pod(cluster, start)
+    clock.advance(0.5)
+    controller.accept(exit_fault(pod, at=START))  # restarted at 12:00:00.5
+    wait_until(lambda: names(cluster) == ["a-0-r1"])
+    stored = cluster.pods[cluster.live(NS)[0]["metadata"]["uid"]]
+    stored["spec"]["nodeName"], stored["status"] = "node-1", failed()
+    controller.accept(exit_fault(cluster.live(NS)[0], at=START))  # finishedAt 12:00:00
+    wait_until(lambda: names(cluster) == ["a-0-r2"])
+    assert job_entry(cluster, "a")["restarts"] == 2
+
+
+def force_fault(pod: dict[str, Any], at: datetime) -> Fault:
+    meta = pod["metadata"]
+    return Fault(
+        id=f"forcedelete/{meta['uid']}",
+        kind=FaultKind.POD_FORCE_DELETED,
+        node=pod["spec"]["nodeName"],
+        observed_at=at,
+        pods=(PodRef(NS, meta["name"], meta["uid"]),),
+        source="restarter",
+    )
+
+
+def test_a_force_deleted_pod_is_replaced_by_the_next_controller_from_the_recorded_template(
+    cluster: InMemoryCluster, start: Callable[[], Controller]
+) -> None:
+    cluster.add_policy(NS, "p", spec(faultTolerantPolicy=[{"restartPolicy": "OnNodeFail"}]))
+    pod = cluster.add_pod(NS, "a-0", labels=labels("a", 0))
+    first = start()
+    gone = cluster.force_delete(NS, "a-0")
+    cluster.failing.add("create_pod")
+    first.accept(force_fault(gone, START))  # recorded; the replacement fails
+    [pending] = job_entry(cluster, "a")["pendingRestarts"]
+    assert pending["pods"][0]["template"]["spec"]["containers"][0]["image"] == "busybox"
+    first.stop()
+    cluster.failing.clear()
+    cluster.forget_gone()  # the next controller never saw the pod: the API has nothing of it
+    start()
+    wait_until(lambda: names(cluster) == ["a-0-r1"])
+    assert cluster.live(NS)[0]["metadata"]["labels"] == pod["metadata"]["labels"]
+
+
+def test_a_backoff_of_a_force_deleted_pod_is_carried_out_after_a_failover(
+    cluster: InMemoryCluster, clock: Clock, start: Callable[[], Controller]
+) -> None:
+    rules = [{"restartPolicy": "OnNodeFail"}]
+    cluster.add_policy(
+        NS, "p", spec(faultTolerantPolicy=rules, backoff={"initialSeconds": 30, "maxSeconds": 60})
+    )
+    cluster.add_pod(NS, "a-0", labels=labels("a", 0))
+    first = start()
+    first.accept(force_fault(cluster.force_delete(NS, "a-0"), START))
+    wait_until(lambda: names(cluster) == ["a-0-r1"])
+    clock.advance(5)
+    stored = cluster.pods[cluster.live(NS)[0]["metadata"]["uid"]]
+    stored["spec"]["nodeName"] = "node-1"
+    first.accept(force_fault(cluster.force_delete(NS, "a-0-r1"), clock()))  # waits 30 s
+    [backoff] = job_entry(cluster, "a")["pendingBackoffs"]
+    assert backoff["template"]["metadata"]["name"] == "a-0-r1"
+    first.stop()
+    cluster.forget_gone()
+    start()
+    clock.advance(31)
+    wait_until(lambda: names(cluster) == ["a-0-r2"])
+    assert job_entry(cluster, "a")["restarts"] == 2
+
+
+def test_the_checkpoint_lags_behind_the_watch_and_falls_back_on_the_inherited_one() -> None:
+    handed_down = Checkpoint(inherited="50", lag=30)
+    assert handed_down.value(0) == "50"  # nothing listed yet: the predecessor's
+    handed_down.observe(0, "50")  # replaying from there
+    handed_down.observe(20, "200")
+    assert handed_down.value(20) == "50"  # our events are too fresh: faults may be in flight
+    handed_down.observe(40, "300")
+    assert handed_down.value(40) == "50"  # handled 40 s ago
+    handed_down.observe(61, "400")
+    assert handed_down.value(61) == "200"  # the newest handled at least 30 s before
+    assert handed_down.annotations(61, lambda: None) == {CHECKPOINT: "200"}

@@ -53,7 +53,12 @@ from edl_agent.restarter.pod_cache import is_whole
 from edl_agent.restarter.policy import Policy, RestartScope
 from edl_agent.restarter.port import ClusterPort, Conflict, PodView
 from edl_agent.restarter.spec import parse_policy
-from edl_agent.restarter.status import PendingRestart, pending_backoffs, pending_restarts
+from edl_agent.restarter.status import (
+    PendingRestart,
+    pending_backoffs,
+    pending_restarts,
+    pod_template,
+)
 from edl_agent.restarter.storm import StormGuard
 from edl_agent.restarter.watchers import deleted_by_us, pod_ref
 from edl_agent.typed import SchemaError
@@ -162,6 +167,9 @@ class Controller:
         self._progress: dict[str, _Progress] = {}
         self._replacing: set[tuple[str, str, str]] = set()  # (namespace, job, fault id)
         self._retries: dict[str, Backoff] = {}
+        # uid → the template of a pod gone from the API whose restart or backoff is recorded
+        # (`status.pod_template`): what its replacement is made of.
+        self._templates: dict[str, Mapping[str, Any]] = {}
         self._last_check = 0.0
         self._tidy_after = tidy_after
         self._last_write: dict[tuple[str, str], float] = {}  # policy → monotonic time
@@ -398,6 +406,8 @@ class Controller:
         for ref in fault.pods:
             pod = self.pods.find_pod(ref)
             if pod is None or (ref.uid and pod_ref(pod).uid != ref.uid):
+                pod = self._from_template(ref)
+            if pod is None:
                 log.info("fault about an unknown pod", fault_id=fault.id, pod=ref.name)
                 continue
             found = pod_ref(pod)
@@ -413,6 +423,34 @@ class Controller:
                 continue
             tasks.append(Task(fault, pod, found, covering[0]))
         return tasks
+
+    def _from_template(self, ref: PodRef) -> dict[str, Any] | None:
+        """A pod gone from the API as its recorded template shows it, marked as deleted (so
+        that nothing takes it for a pod kubelet could still restart)."""
+        with self._lock:
+            template = self._templates.get(ref.uid)
+        if template is None:
+            return None
+        meta = dict(template.get("metadata") or {})
+        meta["deletionTimestamp"] = format_micro_time(self._clock())
+        return {**template, "metadata": meta, "status": {}}
+
+    def _gone(self, ref: PodRef) -> Mapping[str, Any] | None:
+        """The template of a pod the API no longer has (or is deleting), to record with a
+        decision about it; None for a live pod, or when no whole copy is at hand."""
+        if self.pods.exists(ref):
+            return None
+        with self._lock:
+            known = self._templates.get(ref.uid)
+        if known is not None:
+            return known
+        pod = self.pods.whole(ref) or self.pods.find_pod(ref)
+        if pod is None or pod_ref(pod).uid != ref.uid or not is_whole(pod) or _owned(pod):
+            return None
+        template = pod_template(pod)
+        with self._lock:
+            self._templates[ref.uid] = template
+        return template
 
     def _settle(self, fault_id: str, *, recorded: bool, error: str | None = None) -> bool:
         """End a fault's handling; whether anybody waited for it."""
@@ -546,6 +584,8 @@ class Controller:
                 log.warning("cannot read a policy to finish its restarts", error=str(exc))
                 continue
             for pending in pending_restarts(obj):
+                with self._lock:
+                    self._templates.update(pending.templates)
                 log.info(
                     "finishing a restart recorded before this start",
                     policy=f"{namespace}/{name}",
@@ -562,6 +602,8 @@ class Controller:
                     until=backoff.until.isoformat(),
                 )
                 with self._lock:
+                    if backoff.template is not None and backoff.fault.pods:
+                        self._templates[backoff.fault.pods[0].uid] = backoff.template
                     self._dispatch.schedule(backoff.fault, backoff.until)
 
     # --- the deciding workers --------------------------------------------------------------
@@ -614,7 +656,9 @@ class Controller:
             except ApiError as exc:
                 error = f"cannot read policy {namespace}/{name}: {exc}"
                 break
-            result = plan(obj, tasks, members=self._members, replaced=self._done, now=now)
+            result = plan(
+                obj, tasks, members=self._members, replaced=self._done, now=now, gone=self._gone
+            )
             if result.status is not None:
                 try:
                     self._written(self.port.write_status(obj, result.status))
@@ -651,7 +695,12 @@ class Controller:
         if self.pods.exists(ref):
             return False
         if self.pods.replaced(ref):
+            with self._lock:
+                self._templates.pop(ref.uid, None)
             return True
+        with self._lock:
+            if ref.uid in self._templates:
+                return False  # gone, and its replacement is still to be made from the template
         pod = self.pods.find_pod(ref)
         return pod is None or pod_ref(pod).uid != ref.uid or _owned(pod)
 
@@ -712,10 +761,12 @@ class Controller:
                 # Gone, and not by our hand (force-deleted, evicted): replaced from its last
                 # state as seen. A replacement made already is found by its name.
                 pod = self.pods.find_pod(ref)
-                if pod is None or (ref.uid and pod_ref(pod).uid != ref.uid):
-                    return
-                if not is_whole(pod):
-                    log.info("its deletion is not seen yet; replacing it later", pod=ref.name)
+                if pod is None or (ref.uid and pod_ref(pod).uid != ref.uid) or not is_whole(pod):
+                    with self._lock:
+                        template = pending.templates.get(ref.uid) or self._templates.get(ref.uid)
+                    pod = None if template is None else dict(template)
+                if pod is None:
+                    log.info("a pod gone without a copy to replace it from", pod=ref.name)
                     return
             node = str((pod.get("spec") or {}).get("nodeName") or "")
             force = bool(node) and (

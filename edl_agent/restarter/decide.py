@@ -59,9 +59,13 @@ def decide(  # noqa: PLR0911 - one return per step of the ladder
     record: JobRecord,
     now: datetime,
     in_place: bool = False,
+    created: datetime | None = None,
 ) -> Decision:
     """What to do about `fault` for `pod` (one of the fault's pods, covered by `policy`).
-    `in_place`: kubelet restarts the exited container itself (`faults.in_place`)."""
+    `in_place`: kubelet restarts the exited container itself (`faults.in_place`). `created`:
+    the pod's creationTimestamp; a pod made in or after the second of its slot's last restart
+    is that restart's replacement, and nothing about it is stale by that restart (exit times
+    have whole seconds, so its fast crash would otherwise look older than the restart)."""
     what = describe(fault)
 
     def decision(
@@ -75,7 +79,7 @@ def decide(  # noqa: PLR0911 - one return per step of the ladder
         return Decision(action, reason, fault, pod, record, rule=rule, scope=scope, until=until)
 
     last = record.covering(pod)
-    if last is not None and fault.observed_at <= last.at:
+    if last is not None and fault.observed_at <= last.at and not _born_after(created, last.at):
         return decision(
             Action.STALE,
             f"{what} was observed before the {last.scope} restart at {last.at.isoformat()} "
@@ -152,6 +156,10 @@ def describe(fault: Fault) -> str:
     code = "an unknown code" if fault.exit_code is None else f"code {fault.exit_code}"
     container = f" of container {fault.container}" if fault.container else ""
     return f"exit with {code}{container}"
+
+
+def _born_after(created: datetime | None, restart: datetime) -> bool:
+    return created is not None and created >= restart.replace(microsecond=0)
 
 
 def _gate_admits(gate: RestartPolicy, fault: Fault) -> bool:

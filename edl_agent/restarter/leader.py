@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -44,7 +44,10 @@ class LeaderElector:
         retry_period: float = 2.0,
         on_started: Callable[[], None],
         on_stopped: Callable[[], None],
+        annotations: Callable[[], Mapping[str, str]] = dict,
     ) -> None:
+        """`annotations()`: what the leader keeps on the Lease, written with every renewal;
+        `inherited` holds what the previous holder left there, once this one leads."""
         if not renew_deadline < lease_duration:
             msg = "the renew deadline must be shorter than the lease duration"
             raise ValueError(msg)
@@ -60,6 +63,8 @@ class LeaderElector:
         self._seen_at = 0.0
         self._renewed_at = 0.0
         self._thread = threading.Thread(target=self._run, name="leader-election", daemon=True)
+        self._annotations = annotations
+        self.inherited: Mapping[str, str] = {}
 
     @property
     def leading(self) -> bool:
@@ -114,6 +119,8 @@ class LeaderElector:
                 holder = current.holder if current is not None else ""
                 self._lose(f"the lease is held by {holder}")
             return
+        if not self._leading.is_set():
+            self.inherited = dict(((obj or {}).get("metadata") or {}).get("annotations") or {})
         try:
             self._write(obj, wanted)
         except ApiError as exc:
@@ -147,6 +154,11 @@ class LeaderElector:
 
     def _write(self, obj: dict[str, Any] | None, record: LeaseRecord) -> None:
         metadata: dict[str, Any] = {"name": self.name, "namespace": self.namespace}
+        annotations = (dict(self.inherited) if not self._leading.is_set() else {}) | dict(
+            self._annotations()
+        )
+        if annotations:
+            metadata["annotations"] = annotations
         body = {
             "apiVersion": "coordination.k8s.io/v1",
             "kind": "Lease",

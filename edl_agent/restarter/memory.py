@@ -13,11 +13,13 @@ import itertools
 import threading
 import uuid
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
 from typing import Any
 
 from edl_agent.faults.model import FaultKind, PodRef
 from edl_agent.kube import ApiError
+from edl_agent.kube_time import format_time
 from edl_agent.restarter.actuator import NODE_FAULTS, replacement_pod
 from edl_agent.restarter.port import Conflict, Replacement
 from edl_agent.restarter.watchers import REPLACES_UID_ANNOTATION
@@ -26,7 +28,9 @@ UNAVAILABLE = 503
 
 
 class InMemoryCluster:
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], datetime] = lambda: datetime.now(UTC)) -> None:
+        """`clock` dates the pods made (creationTimestamp, whole seconds as the API's)."""
+        self._clock = clock
         self._lock = threading.RLock()
         self._versions = itertools.count(1)
         self.policies: dict[tuple[str, str], dict[str, Any]] = {}
@@ -84,6 +88,22 @@ class InMemoryCluster:
         }
         self.nodes.add(node)
         return self._create(pod)
+
+    def force_delete(self, namespace: str, name: str) -> dict[str, Any]:
+        """Delete a pod at once, as `kubectl delete --grace-period=0 --force` does."""
+        with self._lock:
+            pod = self._by_name(namespace, name)
+            if pod is None:
+                raise KeyError(name)
+            del self.pods[pod["metadata"]["uid"]]
+            pod["metadata"]["deletionGracePeriodSeconds"] = 0
+            self.gone[pod["metadata"]["uid"]] = pod
+            return copy.deepcopy(pod)
+
+    def forget_gone(self) -> None:
+        """Forget the deleted pods, as a restarter that starts afresh never saw them."""
+        with self._lock:
+            self.gone.clear()
 
     def live(self, namespace: str) -> list[dict[str, Any]]:
         """Live pods in `namespace`, by name."""
@@ -187,6 +207,7 @@ class InMemoryCluster:
         with self._lock:
             pod = copy.deepcopy(pod)
             pod["metadata"]["uid"] = str(uuid.uuid4())
+            pod["metadata"]["creationTimestamp"] = format_time(self._clock())
             pod["metadata"]["resourceVersion"] = str(next(self._versions))
             pod.setdefault("status", {"phase": "Pending"})
             self.pods[pod["metadata"]["uid"]] = pod

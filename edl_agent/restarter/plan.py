@@ -18,6 +18,7 @@ from typing import Any
 
 from edl_agent.faults.in_place import restarts_in_place
 from edl_agent.faults.model import Fault, FaultKind, PodRef
+from edl_agent.faults.pod_faults import pod_created
 from edl_agent.restarter.decide import Action, Decision, decide
 from edl_agent.restarter.policy import Policy, RestartScope
 from edl_agent.restarter.spec import parse_policy
@@ -63,6 +64,7 @@ def plan(
     members: Callable[[Policy, Decision, Pod], list[Pod]],
     replaced: Callable[[PodRef], bool],
     now: datetime,
+    gone: Callable[[PodRef], Mapping[str, Any] | None] = lambda _ref: None,
 ) -> Plan:
     """Decide `tasks` in order against the policy object `obj`.
 
@@ -94,6 +96,7 @@ def plan(
             record=read_job(status, identity.job),
             now=now,
             in_place=in_place,
+            created=pod_created(task.pod),
         )
         result.decisions.append((task, decision))
         targets: list[Pod] = []
@@ -104,9 +107,11 @@ def plan(
         if decision.action is Action.IN_PLACE and _recorded(status, identity.job, fault.id):
             continue  # seen again (a re-list after a restart): nothing new to record
         before = _backoffs_of(status, identity.job)
-        apply_decision(
-            status, decision, now=now, targets=[_ref(t, task.ref.namespace) for t in targets]
-        )
+        refs = [_ref(t, task.ref.namespace) for t in targets]
+        # A Backoff keeps its own pod's template; a Restart those of the pods it replaces.
+        kept = [task.ref] if decision.action is Action.BACKOFF else refs
+        templates = {r.uid: t for r in kept if (t := gone(r)) is not None}
+        apply_decision(status, decision, now=now, targets=refs, templates=templates)
         changed = changed or decision.action is not Action.STALE
         changed = changed or before != _backoffs_of(status, identity.job)
         if decision.action is Action.RESTART:
@@ -116,7 +121,8 @@ def plan(
                 fault=fault.kind,
                 node=fault.node,
                 at=now,
-                pods=tuple(_ref(t, task.ref.namespace) for t in targets),
+                pods=tuple(refs),
+                templates=templates,
             )
             result.restarts.append(pending)
         elif decision.action is Action.BACKOFF and decision.until is not None:

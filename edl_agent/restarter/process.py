@@ -7,6 +7,7 @@ import secrets
 import signal
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from edl_agent.backoff import Backoff
 from edl_agent.errors import UsageError
 from edl_agent.metrics.server import MetricsServer
 from edl_agent.restarter.auth import CachedReviewer, TokenReviewer
+from edl_agent.restarter.checkpoint import ANNOTATION, Checkpoint
 from edl_agent.restarter.events import EventWriter
 from edl_agent.restarter.intake import FaultIntake, IntakeError, IntakeServer
 from edl_agent.restarter.kube_controller import connect
@@ -23,6 +25,7 @@ from edl_agent.restarter.leader import LeaderElector, label_own_pod
 from edl_agent.restarter.metrics import RestarterMetrics
 from edl_agent.restarter.settings import RestarterSettings
 from edl_agent.restarter.storm import StormGuard
+from edl_agent.restarter.watchers import ClusterWatcher
 
 logger = structlog.get_logger(__name__)
 
@@ -52,6 +55,11 @@ class Restarter:
             storm_object=self._storm_object(),
             drop_labels=settings.replacement.drop_labels,
         )
+        watcher = self.controller.pods
+        if not isinstance(watcher, ClusterWatcher):  # connect() wires one
+            msg = "the restarter's pod view is not a ClusterWatcher"
+            raise TypeError(msg)
+        self.watcher = watcher
         self.server: IntakeServer | None = None
         if intake.listen:
             reviewer: Any = CachedReviewer(TokenReviewer(api, audiences=[intake.audience]))
@@ -80,7 +88,9 @@ class Restarter:
                 retry_period=election.retry_period_seconds,
                 on_started=self._lead,
                 on_stopped=self._lost,
+                annotations=self._lease_annotations,
             )
+        self.checkpoint = Checkpoint()
         self.acting = threading.Event()
         # Set once the leader's pod carries the label the intake Service selects on.
         self.labelled = threading.Event()
@@ -138,6 +148,9 @@ class Restarter:
         self.metrics.leader.set(1)
         if self.elector is not None and all(self.pod):
             threading.Thread(target=self._label_as_leader, name="leader-label", daemon=True).start()
+        if self.elector is not None:
+            self.checkpoint.inherited = self.elector.inherited.get(ANNOTATION)
+            self.watcher.replay_pods_from(self.checkpoint.inherited)
         self.controller.start()
         self.acting.set()
         if self.server is not None:
@@ -153,6 +166,12 @@ class Restarter:
             intake=self.settings.intake.listen,
             identity=self.identity,
         )
+
+    def _lease_annotations(self) -> dict[str, str]:
+        """What the leader keeps on the Lease: where the next leader replays pod events from."""
+        if not self.acting.is_set():
+            return {ANNOTATION: self.checkpoint.inherited} if self.checkpoint.inherited else {}
+        return self.checkpoint.annotations(time.monotonic(), self.watcher.pods_version)
 
     def _label_as_leader(self) -> None:
         """Label our pod for the intake Service until that works: without the label agents

@@ -34,7 +34,7 @@ from __future__ import annotations
 import copy
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -91,6 +91,8 @@ class PendingBackoff:
     job: str
     fault: Fault
     until: datetime
+    template: Mapping[str, Any] | None = None
+    """The pod as it was, when it was gone already at the decision (see `pod_template`)."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,19 @@ class PendingRestart:
     node: str
     at: datetime
     pods: tuple[PodRef, ...]
+    templates: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """uid → the pod as it was, for pods gone already at the decision (see `pod_template`)."""
+
+
+def pod_template(pod: Mapping[str, Any]) -> dict[str, Any]:
+    """What a replacement is made of, kept in the status for a pod the API no longer has (it
+    was force-deleted or evicted): without it a restarter that starts later could not replace
+    it. Names, labels, annotations, the controller flag of its owners, and its spec."""
+    meta = pod.get("metadata") or {}
+    kept = {k: meta[k] for k in ("name", "namespace", "uid", "labels", "annotations") if k in meta}
+    if meta.get("ownerReferences"):
+        kept["ownerReferences"] = meta["ownerReferences"]
+    return {"metadata": kept, "spec": dict(pod.get("spec") or {})}
 
 
 def record_decision(
@@ -111,20 +126,28 @@ def record_decision(
     *,
     now: datetime,
     targets: Sequence[PodRef] = (),
+    templates: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The status after `decision` (a Stale one changes nothing but a backoff it ends). A
     Restart's `targets`, the pods it replaces, are kept in pendingRestarts until
     `finish_restart`."""
     new: dict[str, Any] = copy.deepcopy(dict(status or {}))
-    apply_decision(new, decision, now=now, targets=targets)
+    apply_decision(new, decision, now=now, targets=targets, templates=templates)
     update_totals(new)
     return new
 
 
 def apply_decision(
-    new: dict[str, Any], decision: Decision, *, now: datetime, targets: Sequence[PodRef] = ()
+    new: dict[str, Any],
+    decision: Decision,
+    *,
+    now: datetime,
+    targets: Sequence[PodRef] = (),
+    templates: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> None:
-    """`record_decision` in place, without the totals (`update_totals` once for a batch)."""
+    """`record_decision` in place, without the totals (`update_totals` once for a batch).
+    `templates`: uid → `pod_template` of the pods the API no longer has."""
+    templates = templates or {}
     if decision.action is Action.STALE:
         found = _find(new, decision.pod.job)
         if found is not None:
@@ -143,9 +166,11 @@ def apply_decision(
     _set_condition(entry, decision, now)
     _drop_backoff(entry, decision.fault.id)
     if decision.action is Action.BACKOFF and decision.until is not None:
-        entry.setdefault("pendingBackoffs", []).append(
-            _backoff_entry(decision.fault, decision.pod.pod, decision.until)
-        )
+        backoff = _backoff_entry(decision.fault, decision.pod.pod, decision.until)
+        pod = decision.pod.pod
+        if pod is not None and pod.uid in templates:
+            backoff["template"] = dict(templates[pod.uid])
+        entry.setdefault("pendingBackoffs", []).append(backoff)
     if decision.action is Action.RESTART and targets:
         entry.setdefault("pendingRestarts", []).append(
             {
@@ -153,9 +178,16 @@ def apply_decision(
                 "fault": str(decision.fault.kind),
                 "node": decision.fault.node,
                 "time": format_micro_time(now),
-                "pods": [{"name": t.name, "uid": t.uid} for t in targets],
+                "pods": [_pending_pod(t, templates) for t in targets],
             }
         )
+
+
+def _pending_pod(ref: PodRef, templates: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    entry: dict[str, Any] = {"name": ref.name, "uid": ref.uid}
+    if ref.uid in templates:
+        entry["template"] = dict(templates[ref.uid])
+    return entry
 
 
 def update_totals(new: dict[str, Any]) -> None:
@@ -189,6 +221,11 @@ def pending_restarts(obj: Mapping[str, Any]) -> list[PendingRestart]:
                         PodRef(namespace, str(p.get("name", "")), str(p.get("uid", "")))
                         for p in entry.get("pods") or []
                     ),
+                    templates={
+                        str(p.get("uid", "")): p["template"]
+                        for p in entry.get("pods") or []
+                        if isinstance(p.get("template"), Mapping)
+                    },
                 )
             )
     return sorted(found, key=lambda p: p.at)
@@ -220,7 +257,15 @@ def pending_backoffs(obj: Mapping[str, Any]) -> list[PendingBackoff]:
                 until = parse_time(str(entry.get("until", "")))
             except (KeyError, TypeError, ValueError):
                 continue
-            found.append(PendingBackoff(str(job.get("name", "")), fault, until))
+            template = entry.get("template")
+            found.append(
+                PendingBackoff(
+                    str(job.get("name", "")),
+                    fault,
+                    until,
+                    template if isinstance(template, Mapping) else None,
+                )
+            )
     return sorted(found, key=lambda p: p.until)
 
 

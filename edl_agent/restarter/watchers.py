@@ -100,6 +100,11 @@ class ListWatch(WatchLoop):
         self.name = f"watch-{name}"
         super().__init__(log_context={})
         self._shrink = shrink
+        self.version: str | None = None
+        """The resourceVersion of the last list or event handled."""
+        self.replay_from: str | None = None
+        """Set before `start`: after the first list, watch from this older version instead
+        of the list's, so that what happened meanwhile (a deletion, say) is seen as events."""
         self._list_call = list_call
         self._on_list = on_list
         self._on_event = on_event
@@ -123,6 +128,11 @@ class ListWatch(WatchLoop):
             if token is None:
                 break
         self._on_list(items)
+        replay, self.replay_from = self.replay_from, None
+        if replay and version and _older(replay, version):
+            log.info("replaying events since an earlier version", watch=self.name, since=replay)
+            version = replay  # handled from here on, as the replayed events come
+        self.version = version
         self.synced.set()
         return version
 
@@ -136,6 +146,7 @@ class ListWatch(WatchLoop):
             version = (obj.get("metadata") or {}).get("resourceVersion") or version
             if kind != "BOOKMARK":
                 self._on_event(kind, obj)
+            self.version = version
         return version
 
     def _retry_delay(self, failures_in_row: int) -> float:
@@ -209,6 +220,7 @@ class ClusterWatcher:
                     shrink=slim_pod,
                 )
             )
+        self._pod_watches = list(self._watches)
         self._watches.append(
             ListWatch(
                 "nodes", core.list_node, on_list=self._nodes_listed, on_event=self._node_event
@@ -267,6 +279,19 @@ class ClusterWatcher:
         with self._lock:
             return len(self._not_ready), len(self._nodes)
 
+    def replay_pods_from(self, version: str | None) -> None:
+        """Before `start`: see the pod events since `version` (an earlier leader's checkpoint)
+        after the first list, deletions made while nobody watched among them."""
+        for watch in self._pod_watches:
+            watch.replay_from = version
+
+    def pods_version(self) -> str | None:
+        """The oldest resourceVersion the pod watches have handled (None before they listed)."""
+        versions = [w.version for w in self._pod_watches]
+        if not versions or any(v is None for v in versions):
+            return None
+        return min((v for v in versions if v is not None), key=_number)
+
     def whole(self, ref: PodRef) -> dict[str, Any] | None:
         with self._lock:
             return self._whole.get(ref.uid)
@@ -306,6 +331,9 @@ class ClusterWatcher:
     def _pod_event(self, kind: str, pod: dict[str, Any]) -> None:
         ref = pod_ref(pod)
         with self._lock:
+            cached = self._pods.get(ref.uid)
+            if kind != "DELETED" and cached is not None and not _older(_rv(cached), _rv(pod)):
+                return  # a replayed event older than what the list showed
             if kind == "DELETED":
                 self._pods.pop(ref.uid, None)
                 name = (ref.namespace, ref.name)
@@ -334,7 +362,8 @@ class ClusterWatcher:
 
     def _pod_faults(self, pod: dict[str, Any], *, deleted: bool) -> None:
         with self._lock:
-            if pod_ref(pod).uid in self._ignored:
+            uid = pod_ref(pod).uid
+            if uid in self._ignored or uid in self._replacers:
                 return
         if deleted_by_us(pod):
             return
@@ -422,6 +451,22 @@ class ClusterWatcher:
             with self._lock:
                 self._emitted.discard(fault.id)
             log.exception("the fault sink failed", fault_id=fault.id)
+
+
+def _number(version: str) -> int:
+    try:
+        return int(version)
+    except ValueError:
+        return 0
+
+
+def _rv(obj: Mapping[str, Any]) -> str:
+    return str((obj.get("metadata") or {}).get("resourceVersion") or "0")
+
+
+def _older(version: str, than: str) -> bool:
+    """Whether resourceVersion `version` comes before `than` (etcd revisions: numbers)."""
+    return _number(version) < _number(than)
 
 
 def _bind(method: Lister, namespace: str) -> Lister:

@@ -40,6 +40,7 @@ from test_restarter import (  # fixtures too: pytest finds them among the module
     wait_pod,
 )
 
+from edl_agent.restarter.checkpoint import ANNOTATION as CHECKPOINT
 from edl_agent.restarter.controller import Controller
 from edl_agent.restarter.events import EventWriter
 from edl_agent.restarter.kube_controller import connect
@@ -444,6 +445,52 @@ def test_two_restarters_elect_one_leader_and_the_standby_takes_over(
         for replica in replicas.values():
             text = replica.log.read_text(errors="replace")
             assert "Traceback" not in text, text[-3000:]
+
+
+def test_a_pod_force_deleted_while_no_replica_leads_is_replaced_by_the_next_leader(
+    crd: Any,
+    k8s: KwokCluster,
+    k8s_control_plane: testcluster.ControlPlane,
+    objects: client.CustomObjectsApi,
+    tmp_path: Path,
+) -> None:
+    """A list shows nothing of a pod deleted while nobody watched: the next leader watches the
+    pod events since the checkpoint its predecessor kept on the Lease."""
+    objects.create_namespaced_custom_object(
+        GROUP,
+        VERSION,
+        k8s.namespace,
+        PLURAL,
+        policy_body(k8s.namespace, faultTolerantPolicy=[{"restartPolicy": "OnNodeFail"}]),
+    )
+    node = k8s.create_gpu_node().metadata.name
+    k8s.create_pod("f-worker-0", node=node, labels=labels("f", "worker", 0))
+    first = RestarterProcess(k8s_control_plane, k8s.namespace, "first", tmp_path / "first.log")
+    second: RestarterProcess | None = None
+    try:
+        wait_for("the first to lead", lambda: holder(k8s), lambda h: h == "first", timeout=30)
+        wait_for(
+            "a checkpoint on the Lease",
+            lambda: k8s.coordination.read_namespaced_lease(LEASE, k8s.namespace),
+            lambda lease: CHECKPOINT in (lease.metadata.annotations or {}),
+            timeout=30,
+        )
+        os.kill(first.process.pid, signal.SIGKILL)
+        first.process.wait()
+        k8s.core.delete_namespaced_pod("f-worker-0", k8s.namespace, grace_period_seconds=0)
+        wait_gone(k8s, "f-worker-0")
+        second = RestarterProcess(
+            k8s_control_plane, k8s.namespace, "second", tmp_path / "second.log"
+        )
+        wait_for("the second to lead", lambda: holder(k8s), lambda h: h == "second", timeout=30)
+        wait_pod(k8s, "f-worker-0-r1", timeout=30)
+        job = job_status(objects, k8s.namespace, "train")
+        assert job["restarts"] == 1
+        assert job["lastActions"][-1]["fault"] == "PodForceDeleted"
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()
 
 
 def test_the_leader_labels_its_pod_once_it_exists_and_is_not_ready_until_then(
