@@ -40,6 +40,7 @@ from typing import Any, Protocol
 import structlog
 
 from edl_agent.backoff import Backoff
+from edl_agent.bounded import BoundedMap
 from edl_agent.faults.model import Fault, FaultKind, PodRef
 from edl_agent.kube import ApiError
 from edl_agent.kube_time import format_micro_time
@@ -78,6 +79,7 @@ RESUME_AFTER = timedelta(seconds=10)
 # one for this long gets a write of its own for them.
 TIDY_AFTER = 60.0
 RETRY_INITIAL, RETRY_MAX = 1.0, 30.0
+KEEP_TEMPLATES = 4096
 
 
 class NotRecorded(Exception):
@@ -168,8 +170,9 @@ class Controller:
         self._replacing: set[tuple[str, str, str]] = set()  # (namespace, job, fault id)
         self._retries: dict[str, Backoff] = {}
         # uid → the template of a pod gone from the API whose restart or backoff is recorded
-        # (`status.pod_template`): what its replacement is made of.
-        self._templates: dict[str, Mapping[str, Any]] = {}
+        # (`status.pod_template`): what its replacement is made of. Bounded: the status holds
+        # them too, and a new start reads them from there.
+        self._templates: BoundedMap[str, Mapping[str, Any]] = BoundedMap(KEEP_TEMPLATES)
         self._last_check = 0.0
         self._tidy_after = tidy_after
         self._last_write: dict[tuple[str, str], float] = {}  # policy → monotonic time
