@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from edl_agent.faults.model import Fault, FaultKind, PodRef
+from edl_agent.faults.pod_faults import force_deletion_fault
 from edl_agent.restarter.checkpoint import ANNOTATION as CHECKPOINT
 from edl_agent.restarter.checkpoint import Checkpoint
 from edl_agent.restarter.controller import Controller, NotRecorded
@@ -389,15 +390,10 @@ def test_a_replacement_that_fails_within_the_second_of_its_restart_is_restarted_
 
 
 def force_fault(pod: dict[str, Any], at: datetime) -> Fault:
-    meta = pod["metadata"]
-    return Fault(
-        id=f"forcedelete/{meta['uid']}",
-        kind=FaultKind.POD_FORCE_DELETED,
-        node=pod["spec"]["nodeName"],
-        observed_at=at,
-        pods=(PodRef(NS, meta["name"], meta["uid"]),),
-        source="restarter",
-    )
+    """The watcher's fault for a pod `InMemoryCluster.force_delete` deleted."""
+    fault = force_deletion_fault(pod, now=at, source="restarter")
+    assert fault is not None
+    return fault
 
 
 def test_a_force_deleted_pod_is_replaced_by_the_next_controller_from_the_recorded_template(

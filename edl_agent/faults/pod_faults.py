@@ -41,6 +41,12 @@ def pod_node(pod: Mapping[str, Any]) -> str:
     return str((pod.get("spec") or {}).get("nodeName") or "")
 
 
+def controller_owned(pod: Mapping[str, Any]) -> bool:
+    """A controller (a Job, a ReplicaSet, a StatefulSet) owns the pod and makes its successor."""
+    refs = (pod.get("metadata") or {}).get("ownerReferences") or []
+    return any(ref.get("controller") for ref in refs)
+
+
 def pod_created(pod: Mapping[str, Any]) -> datetime | None:
     return parse_time((pod.get("metadata") or {}).get("creationTimestamp"))
 

@@ -23,6 +23,7 @@ import structlog
 from kubernetes import client
 
 from edl_agent.faults.model import FaultKind
+from edl_agent.faults.pod_faults import controller_owned
 from edl_agent.kube import CONFLICT, NOT_FOUND, ApiError
 from edl_agent.kube import call_json as _call
 from edl_agent.restarter.port import Conflict, Replacement
@@ -127,8 +128,7 @@ class Actuator:
         replaced again, and doing so finds the replacement made already."""
         meta = pod["metadata"]
         namespace, name = meta["namespace"], meta["name"]
-        owned = any(ref.get("controller") for ref in meta.get("ownerReferences") or [])
-        if owned:
+        if controller_owned(pod):
             self._delete(pod, force=force)
             log.info("deleted a controller-owned pod", pod=f"{namespace}/{name}", force=force)
             return Replacement(name, None, force)

@@ -42,7 +42,8 @@ import structlog
 from edl_agent.backoff import Backoff
 from edl_agent.bounded import BoundedMap
 from edl_agent.faults.model import Fault, FaultKind, PodRef
-from edl_agent.kube import ApiError
+from edl_agent.faults.pod_faults import controller_owned
+from edl_agent.kube import ApiError, object_version
 from edl_agent.kube_time import format_micro_time
 from edl_agent.restarter.covering import PolicyIndex
 from edl_agent.restarter.decide import Action, Decision
@@ -61,7 +62,7 @@ from edl_agent.restarter.status import (
     pod_template,
 )
 from edl_agent.restarter.storm import StormGuard
-from edl_agent.restarter.watchers import deleted_by_us, pod_ref
+from edl_agent.restarter.watchers import pod_ref
 from edl_agent.typed import SchemaError
 
 log = structlog.get_logger(__name__)
@@ -292,7 +293,7 @@ class Controller:
         key = (str(meta.get("namespace", "")), str(meta.get("name", "")))
         with self._lock:
             old = self._latest.get(key)
-            if old is None or _version(old) <= _version(obj):
+            if old is None or object_version(old) <= object_version(obj):
                 self._latest[key] = dict(obj)
 
     def _written(self, obj: Mapping[str, Any]) -> None:
@@ -448,7 +449,7 @@ class Controller:
         if known is not None:
             return known
         pod = self.pods.whole(ref) or self.pods.find_pod(ref)
-        if pod is None or pod_ref(pod).uid != ref.uid or not is_whole(pod) or _owned(pod):
+        if pod is None or pod_ref(pod).uid != ref.uid or not is_whole(pod) or controller_owned(pod):
             return None
         template = pod_template(pod)
         with self._lock:
@@ -705,7 +706,7 @@ class Controller:
             if ref.uid in self._templates:
                 return False  # gone, and its replacement is still to be made from the template
         pod = self.pods.find_pod(ref)
-        return pod is None or pod_ref(pod).uid != ref.uid or _owned(pod)
+        return pod is None or pod_ref(pod).uid != ref.uid or controller_owned(pod)
 
     def _members(self, policy: Policy, decision: Decision, pod: Pod) -> list[Pod]:
         """The other live pods a Restart of `decision.scope` replaces along with `pod`."""
@@ -716,7 +717,7 @@ class Controller:
             other_ref = pod_ref(other)
             if other_ref.uid == ref.uid or not self.pods.exists(other_ref):
                 continue
-            if deleted_by_us(other) or self.pods.replaced(other_ref):
+            if self.pods.replaced(other_ref):  # by us: replaced, or marked and deleted
                 continue
             labels = (other.get("metadata") or {}).get("labels") or {}
             placed = policy.identify(other_ref, labels)
@@ -731,10 +732,10 @@ class Controller:
         return sorted(found, key=lambda p: pod_ref(p).name)
 
     def _replace_all(self, pending: PendingRestart, namespace: str) -> None:
-        """Replace the pods of a recorded Restart, each at most once: a pod already gone is
-        skipped, a replacement already made is found. Each pod is read afresh first (the
-        cache may hold only what deciding needs, and the uid must still be the one recorded).
-        What fails stays recorded and is tried again by the tidy pass."""
+        """Replace the pods of a recorded Restart, each at most once: a pod already replaced is
+        skipped, a replacement already made is found. Each pod is replaced from a whole copy:
+        the one its fault was seen on, else read afresh, else (gone) its last state or recorded
+        template. What fails stays recorded and is carried out again by `_check_pending`."""
         key = (namespace, pending.job, pending.fault_id)
         with self._lock:
             if key in self._replacing:
@@ -823,18 +824,5 @@ def _tell(waiter: _Waiter | None, error: str | None) -> None:
         waiter.done.set()
 
 
-def _owned(pod: Mapping[str, Any]) -> bool:
-    refs = (pod.get("metadata") or {}).get("ownerReferences") or []
-    return any(r.get("controller") for r in refs)
-
-
 def _has_pending(obj: Mapping[str, Any]) -> bool:
     return any(j.get("pendingRestarts") for j in (obj.get("status") or {}).get("jobs") or [])
-
-
-def _version(obj: Mapping[str, Any]) -> int:
-    """resourceVersion as a number (etcd's revision); 0 when it is not one."""
-    try:
-        return int((obj.get("metadata") or {}).get("resourceVersion", 0))
-    except (TypeError, ValueError):
-        return 0

@@ -168,7 +168,7 @@ class InMemoryCluster:
 
     def find_pod(self, ref: PodRef) -> dict[str, Any] | None:
         with self._lock:
-            found = self.pods.get(ref.uid) or self.gone.get(ref.uid) if ref.uid else None
+            found = (self.pods.get(ref.uid) or self.gone.get(ref.uid)) if ref.uid else None
             if found is None:
                 found = self._by_name(ref.namespace, ref.name)
             return None if found is None else copy.deepcopy(found)

@@ -18,7 +18,7 @@ from typing import Any
 
 from edl_agent.faults.in_place import restarts_in_place
 from edl_agent.faults.model import Fault, FaultKind, PodRef
-from edl_agent.faults.pod_faults import pod_created
+from edl_agent.faults.pod_faults import pod_created, pod_ref
 from edl_agent.restarter.decide import Action, Decision, decide
 from edl_agent.restarter.policy import Policy, RestartScope
 from edl_agent.restarter.spec import parse_policy
@@ -26,6 +26,7 @@ from edl_agent.restarter.status import (
     PendingRestart,
     apply_decision,
     drop_pending,
+    find_job,
     pending_restarts,
     read_job,
     update_totals,
@@ -70,7 +71,8 @@ def plan(
 
     `members(policy, decision, pod)`: the other live pods a Restart of `decision.scope` around
     `pod` replaces. `replaced(ref)`: whether that pod is gone or replaced (its pending restart,
-    if any, is done)."""
+    if any, is done). `gone(ref)`: the `status.pod_template` of a pod the API no longer has,
+    recorded with the decision so that whoever carries it out can make its replacement."""
     result = Plan()
     try:
         policy = parse_policy(obj.get("spec"))
@@ -106,14 +108,13 @@ def plan(
                 targets += members(policy, decision, task.pod)
         if decision.action is Action.IN_PLACE and _recorded(status, identity.job, fault.id):
             continue  # seen again (a re-list after a restart): nothing new to record
-        before = _backoffs_of(status, identity.job)
-        refs = [_ref(t, task.ref.namespace) for t in targets]
+        refs = [pod_ref(t) for t in targets]
         # A Backoff keeps its own pod's template; a Restart those of the pods it replaces.
         kept = [task.ref] if decision.action is Action.BACKOFF else refs
         templates = {r.uid: t for r in kept if (t := gone(r)) is not None}
-        apply_decision(status, decision, now=now, targets=refs, templates=templates)
-        changed = changed or decision.action is not Action.STALE
-        changed = changed or before != _backoffs_of(status, identity.job)
+        changed = (
+            apply_decision(status, decision, now=now, targets=refs, templates=templates) or changed
+        )
         if decision.action is Action.RESTART:
             pending = PendingRestart(
                 job=identity.job,
@@ -151,21 +152,5 @@ def tidy(obj: Mapping[str, Any], *, replaced: Callable[[PodRef], bool]) -> dict[
 
 def _recorded(status: Mapping[str, Any], job: str, fault_id: str) -> bool:
     """Whether the job's last actions hold a decision about `fault_id` already."""
-    for entry in status.get("jobs") or []:
-        if entry.get("name") == job:
-            return any(a.get("faultId") == fault_id for a in entry.get("lastActions") or [])
-    return False
-
-
-def _backoffs_of(status: Mapping[str, Any], job: str) -> int:
-    for entry in status.get("jobs") or []:
-        if entry.get("name") == job:
-            return len(entry.get("pendingBackoffs") or [])
-    return 0
-
-
-def _ref(pod: Pod, namespace: str) -> PodRef:
-    meta = pod.get("metadata") or {}
-    return PodRef(
-        str(meta.get("namespace") or namespace), str(meta.get("name", "")), str(meta.get("uid", ""))
-    )
+    entry = find_job(status, job) or {}
+    return any(a.get("faultId") == fault_id for a in entry.get("lastActions") or [])

@@ -13,6 +13,8 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from edl_agent.faults.pod_faults import controller_owned
+
 OUR_ANNOTATIONS = "edl.io/"
 MAX_MESSAGE = 512
 _META = (
@@ -34,13 +36,14 @@ def slim_pod(pod: Mapping[str, Any]) -> dict[str, Any]:
     owner's controller flag, times; the node, restart policies; phase, reason, disruption
     conditions and each container's terminations."""
     return {
-        "metadata": _metadata(pod.get("metadata") or {}),
+        "metadata": _metadata(pod),
         "spec": _spec(pod.get("spec") or {}),
         "status": _status(pod.get("status") or {}),
     }
 
 
-def _metadata(meta: Mapping[str, Any]) -> dict[str, Any]:
+def _metadata(pod: Mapping[str, Any]) -> dict[str, Any]:
+    meta = pod.get("metadata") or {}
     kept: dict[str, Any] = {k: meta[k] for k in _META if meta.get(k) is not None}
     if "namespace" in kept:
         kept["namespace"] = _shared(kept["namespace"])
@@ -51,7 +54,7 @@ def _metadata(meta: Mapping[str, Any]) -> dict[str, Any]:
     }
     if annotations:
         kept["annotations"] = annotations
-    if any(o.get("controller") for o in meta.get("ownerReferences") or []):
+    if controller_owned(pod):
         kept["ownerReferences"] = [{"controller": True}]
     return kept
 

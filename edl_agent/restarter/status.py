@@ -61,7 +61,7 @@ def parse_time(text: str) -> datetime:
 
 def read_job(status: Mapping[str, Any] | None, job: str) -> JobRecord:
     """The record of `job` kept in `status` (empty when the job has none yet)."""
-    entry = _find(status, job)
+    entry = find_job(status, job)
     if entry is None:
         return JobRecord()
     replicas = {
@@ -144,17 +144,16 @@ def apply_decision(
     now: datetime,
     targets: Sequence[PodRef] = (),
     templates: Mapping[str, Mapping[str, Any]] | None = None,
-) -> None:
+) -> bool:
     """`record_decision` in place, without the totals (`update_totals` once for a batch).
-    `templates`: uid → `pod_template` of the pods the API no longer has."""
+    `templates`: uid → `pod_template` of the pods the API no longer has. Whether it changed
+    anything (a Stale decision only ends a backoff of its fault, if there is one)."""
     templates = templates or {}
     if decision.action is Action.STALE:
-        found = _find(new, decision.pod.job)
-        if found is not None:
-            _drop_backoff(found, decision.fault.id)
-        return
+        found = find_job(new, decision.pod.job)
+        return found is not None and _drop_backoff(found, decision.fault.id)
     jobs: list[dict[str, Any]] = new.setdefault("jobs", [])
-    entry = _find(new, decision.pod.job)
+    entry = find_job(new, decision.pod.job)
     if entry is None:
         entry = {"name": decision.pod.job}
         jobs.append(entry)
@@ -181,6 +180,7 @@ def apply_decision(
                 "pods": [_pending_pod(t, templates) for t in targets],
             }
         )
+    return True
 
 
 def _pending_pod(ref: PodRef, templates: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
@@ -291,12 +291,15 @@ def _backoff_entry(fault: Fault, pod: PodRef | None, until: datetime) -> dict[st
     return entry
 
 
-def _drop_backoff(entry: dict[str, Any], fault_id: str) -> None:
-    left = [b for b in entry.get("pendingBackoffs") or [] if b.get("faultId") != fault_id]
+def _drop_backoff(entry: dict[str, Any], fault_id: str) -> bool:
+    """Remove the backoff of `fault_id` from a job's entry; whether there was one."""
+    backoffs = entry.get("pendingBackoffs") or []
+    left = [b for b in backoffs if b.get("faultId") != fault_id]
     if left:
         entry["pendingBackoffs"] = left
     else:
         entry.pop("pendingBackoffs", None)
+    return len(left) != len(backoffs)
 
 
 def finish_restart(
@@ -304,7 +307,7 @@ def finish_restart(
 ) -> dict[str, Any]:
     """The status without the pending restarts of `job` for `fault_ids`."""
     new: dict[str, Any] = copy.deepcopy(dict(status or {}))
-    entry = _find(new, job)
+    entry = find_job(new, job)
     done = set(fault_ids)
     if entry is not None and entry.get("pendingRestarts"):
         left = [p for p in entry["pendingRestarts"] if p.get("faultId") not in done]
@@ -337,7 +340,8 @@ def forget_job(status: Mapping[str, Any] | None, job: str) -> dict[str, Any]:
     return new
 
 
-def _find(status: Mapping[str, Any] | None, job: str) -> Any:
+def find_job(status: Mapping[str, Any] | None, job: str) -> Any:
+    """The entry of `job` in `status` (None when it has none)."""
     jobs = (status or {}).get("jobs") or []
     return next((j for j in jobs if j.get("name") == job), None)
 

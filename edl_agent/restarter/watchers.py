@@ -46,7 +46,7 @@ from edl_agent.faults.pod_faults import (
     pod_ref,
     terminated_phase,
 )
-from edl_agent.kube import call_json, watch_events
+from edl_agent.kube import call_json, object_version, version_number, watch_events
 from edl_agent.kube_watch import WatchLoop
 from edl_agent.restarter.pod_cache import is_whole, slim_pod
 
@@ -129,7 +129,7 @@ class ListWatch(WatchLoop):
                 break
         self._on_list(items)
         replay, self.replay_from = self.replay_from, None
-        if replay and version and _older(replay, version):
+        if replay and version and version_number(replay) < version_number(version):
             log.info("replaying events since an earlier version", watch=self.name, since=replay)
             version = replay  # handled from here on, as the replayed events come
         self.version = version
@@ -290,7 +290,7 @@ class ClusterWatcher:
         versions = [w.version for w in self._pod_watches]
         if not versions or any(v is None for v in versions):
             return None
-        return min((v for v in versions if v is not None), key=_number)
+        return min((v for v in versions if v is not None), key=version_number)
 
     def whole(self, ref: PodRef) -> dict[str, Any] | None:
         with self._lock:
@@ -332,7 +332,11 @@ class ClusterWatcher:
         ref = pod_ref(pod)
         with self._lock:
             cached = self._pods.get(ref.uid)
-            if kind != "DELETED" and cached is not None and not _older(_rv(cached), _rv(pod)):
+            if (
+                kind != "DELETED"
+                and cached is not None
+                and object_version(cached) >= object_version(pod)
+            ):
                 return  # a replayed event older than what the list showed
             if kind == "DELETED":
                 self._pods.pop(ref.uid, None)
@@ -451,22 +455,6 @@ class ClusterWatcher:
             with self._lock:
                 self._emitted.discard(fault.id)
             log.exception("the fault sink failed", fault_id=fault.id)
-
-
-def _number(version: str) -> int:
-    try:
-        return int(version)
-    except ValueError:
-        return 0
-
-
-def _rv(obj: Mapping[str, Any]) -> str:
-    return str((obj.get("metadata") or {}).get("resourceVersion") or "0")
-
-
-def _older(version: str, than: str) -> bool:
-    """Whether resourceVersion `version` comes before `than` (etcd revisions: numbers)."""
-    return _number(version) < _number(than)
 
 
 def _bind(method: Lister, namespace: str) -> Lister:
