@@ -200,6 +200,28 @@ def build_parser() -> argparse.ArgumentParser:
     sim_build.add_argument("profile", metavar="PROFILE", help="a name from `simulate list`")
     sim_build.add_argument("directory", metavar="DIR", type=Path, help="where to write the tree")
     sim_build.set_defaults(handler=_simulate_build)
+    sim_record = sim_commands.add_parser(
+        "record",
+        parents=[_node_options()],
+        help="record a real NVIDIA node into a recording a simulated node can replay",
+        description="Read the node's GPUs through NVML (every query discovery, the health "
+        "watcher, telemetry and reset evidence make), the sysfs and /proc files discovery "
+        "reads, `nvidia-smi -q`, `-L` and `topo -m`, and what `discover` finds, into DIR. "
+        "UUIDs, serial numbers and the host name are replaced by stable stand-ins. Replay it "
+        "with `simulate replay DIR TREE` or `--simulate DIR`. Needs only NVML and read access: "
+        "nothing on the node is changed.",
+    )
+    sim_record.add_argument("directory", metavar="DIR", type=Path, help="where to write it")
+    sim_record.set_defaults(handler=_simulate_record)
+    sim_replay = sim_commands.add_parser(
+        "replay",
+        help="write a simulated node's tree from a recording",
+        description="Write the host-root tree of the node recorded in RECORDING into DIR "
+        "(created if missing; must be empty).",
+    )
+    sim_replay.add_argument("recording", metavar="RECORDING", type=Path)
+    sim_replay.add_argument("directory", metavar="DIR", type=Path, help="where to write the tree")
+    sim_replay.set_defaults(handler=_simulate_replay)
     inject_cli.add_parser(sim_commands)
     return parser
 
@@ -213,7 +235,8 @@ def _node_options() -> argparse.ArgumentParser:
     where.add_argument(
         "--simulate",
         metavar="PROFILE",
-        help="build a simulated node for PROFILE in a temporary directory and read it",
+        help="build a simulated node for PROFILE (or from a recording directory) in a "
+        "temporary directory and read it",
     )
     common.add_argument("--config", metavar="FILE", help="YAML settings file")
     common.add_argument(
@@ -275,11 +298,13 @@ def node_settings(args: argparse.Namespace) -> Iterator[Settings]:
         yield settings
         return
     from edl_agent.sim.profile import load_profile
+    from edl_agent.sim.replay import is_recording
 
-    profile = load_profile(args.simulate)
-    with tempfile.TemporaryDirectory(prefix=f"edl-sim-{profile.name}-") as tmp:
+    recording = Path(args.simulate)
+    name = recording.name if is_recording(recording) else load_profile(args.simulate).name
+    with tempfile.TemporaryDirectory(prefix=f"edl-sim-{name}-") as tmp:
         # A simulated host has its own kubelet directories unless they are configured.
-        defaults = {**profile.config}
+        defaults = {} if is_recording(recording) else {**load_profile(name).config}
         plugin_defaults = {"kubelet_dir": f"{tmp}{KUBELET_DIR}", **defaults.get("plugin", {})}
         defaults["plugin"] = plugin_defaults
         defaults.setdefault("pod_resources_socket", f"{tmp}{POD_RESOURCES_SOCKET}")
@@ -290,8 +315,11 @@ def node_settings(args: argparse.Namespace) -> Iterator[Settings]:
             **defaults.get("dra", {}),
         }
         settings = settings_from_args(args, defaults=defaults, host_root=tmp)
-        structlog.get_logger().info("building simulated node", profile=profile.name, root=tmp)
-        _build_tree(profile.name, Path(tmp))
+        structlog.get_logger().info("building simulated node", profile=name, root=tmp)
+        if is_recording(recording):
+            _replay_tree(recording, Path(tmp))
+        else:
+            _build_tree(name, Path(tmp))
         yield settings
 
 
@@ -306,6 +334,19 @@ def _build_tree(name: str, directory: Path) -> None:
         raise UsageError(str(exc)) from None
     except OSError as exc:
         msg = f"cannot write simulated node into {directory}: {exc.strerror or exc}"
+        raise UsageError(msg) from None
+
+
+def _replay_tree(recording: Path, directory: Path) -> None:
+    from edl_agent.sim.fake_nvml_build import FakeNvmlBuildError
+    from edl_agent.sim.replay import replay
+
+    try:
+        replay(recording, directory)
+    except FakeNvmlBuildError as exc:
+        raise UsageError(str(exc)) from None
+    except OSError as exc:
+        msg = f"cannot write the replayed node into {directory}: {exc.strerror or exc}"
         raise UsageError(msg) from None
 
 
@@ -427,13 +468,53 @@ def _simulate_build(args: argparse.Namespace) -> int:
     from edl_agent.sim.profile import load_profile
 
     load_profile(args.profile)  # unknown or malformed profiles fail before anything is written
-    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
-        msg = f"{directory}: exists and is not an empty directory"
-        raise UsageError(msg)
+    _require_empty(directory)
     _build_tree(args.profile, directory)
     print(f"simulated node {args.profile} written to {directory}")
     print(f"read it with: edl-agent discover --host-root {directory}")
     return 0
+
+
+def _simulate_record(args: argparse.Namespace) -> int:
+    from edl_agent.devices.discovery import discover_node
+    from edl_agent.devices.hostroot import HostRoot
+    from edl_agent.sim.record import RecordError, record
+
+    directory: Path = args.directory
+    _require_empty(directory)
+    with node_settings(args) as settings:
+        root = HostRoot.at(settings.host_root)
+        try:
+            summary = record(
+                root, directory, discover_json=lambda: discover_node(settings).to_json()
+            )
+        except RecordError as exc:
+            raise UsageError(str(exc)) from None
+    print(
+        f"recorded {summary.gpus} GPUs and {summary.mig_devices} MIG devices into {directory} "
+        f"({summary.failed_queries} NVML queries refused, listed in recording.json)"
+    )
+    print(f"replay it with: edl-agent discover --simulate {directory}")
+    return 0
+
+
+def _simulate_replay(args: argparse.Namespace) -> int:
+    log.configure()
+    from edl_agent.sim.replay import read_meta
+
+    directory: Path = args.directory
+    meta = read_meta(args.recording)
+    _require_empty(directory)
+    _replay_tree(args.recording, directory)
+    print(f"node recorded {meta.get('recorded_at')} written to {directory}")
+    print(f"read it with: edl-agent discover --host-root {directory}")
+    return 0
+
+
+def _require_empty(directory: Path) -> None:
+    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+        msg = f"{directory}: exists and is not an empty directory"
+        raise UsageError(msg)
 
 
 def render_table(inventory: Inventory) -> str:

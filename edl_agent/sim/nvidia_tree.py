@@ -188,13 +188,13 @@ def render_data(spec: NvidiaSpec, gpus: list[SimGpu]) -> str:
 def _records(spec: NvidiaSpec, gpus: list[SimGpu]) -> Iterator[str]:
     nvml_version = f"{spec.cuda_driver_version // 1000}.{spec.driver_version}"
     yield "# fake NVML data, written by edl_agent/sim/nvidia_tree.py"
-    yield _record("format", version=1)
-    yield _record(
+    yield data_record("format", version=1)
+    yield data_record(
         "system", driver=spec.driver_version, nvml=nvml_version, cuda=spec.cuda_driver_version
     )
     links = _nvlinks(spec, gpus)
     for gpu in gpus:
-        yield _record(
+        yield data_record(
             "gpu",
             index=gpu.index,
             uuid=gpu.uuid,
@@ -213,7 +213,7 @@ def _records(spec: NvidiaSpec, gpus: list[SimGpu]) -> Iterator[str]:
             cpus=numa_cpulist(gpu.numa_node),
         )
         for mig in gpu.migs:
-            yield _record(
+            yield data_record(
                 "mig",
                 gpu=gpu.index,
                 index=mig.index,
@@ -224,10 +224,12 @@ def _records(spec: NvidiaSpec, gpus: list[SimGpu]) -> Iterator[str]:
                 compute_instance=0,
             )
         for link, peer in enumerate(links[gpu.index]):
-            yield _record("nvlink", gpu=gpu.index, link=link, remote=nvml_bus_id(gpus[peer].bus_id))
+            yield data_record(
+                "nvlink", gpu=gpu.index, link=link, remote=nvml_bus_id(gpus[peer].bus_id)
+            )
 
 
-def _record(kind: str, **fields: object) -> str:
+def data_record(kind: str, **fields: object) -> str:
     for key, value in fields.items():
         if any(c in str(value) for c in "\t\n\r"):
             msg = f"{kind} {key}: tabs and line breaks cannot be stored in the fake NVML data"
