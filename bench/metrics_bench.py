@@ -28,11 +28,11 @@ from edl_agent import log  # noqa: E402
 from edl_agent.config import load_settings  # noqa: E402
 from edl_agent.devices.discovery import discover_node  # noqa: E402
 from edl_agent.health.model import DeviceTelemetry  # noqa: E402
+from edl_agent.health.state import DeviceState  # noqa: E402
+from edl_agent.kubelet.podresources import PodResourcesClient  # noqa: E402
 from edl_agent.metrics.collectors import EdlCollector, build_registry  # noqa: E402
 from edl_agent.metrics.inputs import AgentCounts, HealthCounts  # noqa: E402
-from edl_agent.metrics.podresources import PodResourcesClient  # noqa: E402
 from edl_agent.metrics.server import MetricsServer  # noqa: E402
-from edl_agent.plugin.state import DeviceState  # noqa: E402
 from edl_agent.sim.profile import load_profile  # noqa: E402
 from edl_agent.sim.tree import build_tree  # noqa: E402
 from tests.podresources_standin import PodResourcesStandIn  # noqa: E402

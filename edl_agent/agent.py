@@ -1,6 +1,6 @@
 """The node agent: its parts under one supervisor, and the health stream that joins them.
 
-Every long-running job is a part of `edl_agent.supervisor` with its own thread: `plugins` (kubelet
+Every long-running job is a part of `runtime.supervisor` with its own thread: `plugins` (kubelet
 registration and servers, device-node presence, quiet periods), `rediscovery`, one
 `poll-<vendor>` per polled vendor, `reset-evidence` (NVML reset marks, the boot id),
 `remediation` (opt-in), and the threads of the NVML watcher, node publisher, fault sender,
@@ -67,17 +67,17 @@ from edl_agent.health.remediation import (
     validate_reset,
 )
 from edl_agent.health.reset_evidence import check_resets, waiting_for_reset
+from edl_agent.health.state import DeviceState, Snapshot
 from edl_agent.health.tracker import UNHEALTHY, Condition, HealthTracker, Transition
+from edl_agent.kubelet.podresources import PodRef, PodResourcesClient
 from edl_agent.labels.condition import device_name
 from edl_agent.labels.cordon import RELEASE_DEVICES, Cordon
 from edl_agent.labels.events import NORMAL, WARNING, EventSpec
 from edl_agent.log_limit import LogLimiter
-from edl_agent.metrics.inputs import AgentCounts, HealthCounts, PodRef
-from edl_agent.metrics.podresources import PodResourcesClient
+from edl_agent.metrics.inputs import AgentCounts, HealthCounts
 from edl_agent.plugin.dirwatch import DirectoryWatch
 from edl_agent.plugin.manager import PluginManager
-from edl_agent.plugin.state import DeviceState, Snapshot
-from edl_agent.supervisor import Every, Supervisor, Watched
+from edl_agent.runtime.supervisor import Every, Supervisor, Watched
 
 if TYPE_CHECKING:
     # Imported where they start (start_faults, start_metrics, start_publisher): registration

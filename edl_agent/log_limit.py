@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Hashable
 
-from edl_agent.bounded import BoundedMap
+from edl_agent.runtime.bounded import BoundedMap
 
 MAX_KINDS = 4096
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from edl_agent.bounded import BoundedMap, BoundedSet
+from edl_agent.runtime.bounded import BoundedMap, BoundedSet
 
 
 def test_a_set_forgets_its_oldest_key_and_says_what_it_knew() -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from edl_agent.devices.model import Device, Inventory, Vendor, VendorReport
-from edl_agent.plugin.state import DeviceState
+from edl_agent.health.state import DeviceState
 
 
 def _inventory() -> Inventory:

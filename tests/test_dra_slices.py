@@ -37,8 +37,8 @@ from edl_agent.dra.slices import (
     slice_name,
     without_features,
 )
+from edl_agent.health.state import DeviceState
 from edl_agent.kube import ApiError
-from edl_agent.plugin.state import DeviceState
 from edl_agent.sim.profile import load_profile
 from edl_agent.sim.tree import build_tree
 

@@ -24,7 +24,6 @@ from structlog.testing import capture_logs
 
 from edl_agent._proto.edl.fault.v1 import fault_pb2, fault_pb2_grpc
 from edl_agent.address import is_loopback
-from edl_agent.backoff import backoff_delay
 from edl_agent.faults.convert import to_proto
 from edl_agent.faults.ids import container_exit_id
 from edl_agent.faults.model import Fault, PodRef
@@ -40,6 +39,7 @@ from edl_agent.restarter.auth import (
     service_account_user,
 )
 from edl_agent.restarter.intake import FaultIntake, IntakeError, IntakeServer
+from edl_agent.runtime.backoff import backoff_delay
 
 T0 = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
 AGENT = service_account_user("edl-system", "edl-agent")

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 from prometheus_client.metrics_core import Metric
 
+from edl_agent.health.state import Snapshot
 from edl_agent.metrics.collectors import EdlCollector
-from edl_agent.plugin.state import Snapshot
 from edl_agent.restarter.intake import IntakeCounts
 from edl_agent.restarter.metrics import RestarterMetrics
 from tests.dashboard_check import (

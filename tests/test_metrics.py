@@ -22,11 +22,11 @@ from edl_agent._proto.podresources.v1 import api_pb2
 from edl_agent.config import load_settings
 from edl_agent.devices.discovery import discover_node
 from edl_agent.health.model import DeviceTelemetry, Level
+from edl_agent.health.state import DeviceState
+from edl_agent.kubelet.podresources import PodRef, PodResourcesClient, attribute, pod_devices
 from edl_agent.metrics.collectors import EdlCollector, build_registry
-from edl_agent.metrics.inputs import AgentCounts, HealthCounts, PodRef
-from edl_agent.metrics.podresources import PodResourcesClient, attribute, pod_devices
+from edl_agent.metrics.inputs import AgentCounts, HealthCounts
 from edl_agent.metrics.server import MetricsServer, parse_address
-from edl_agent.plugin.state import DeviceState
 from edl_agent.sim.profile import load_profile
 from edl_agent.sim.tree import build_tree
 from tests.podresources_standin import PodResourcesStandIn

@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 import structlog.testing
 
-from edl_agent.backoff import Backoff, backoff_delay
-from edl_agent.supervisor import Every, Supervisor, Watched
+from edl_agent.runtime.backoff import Backoff, backoff_delay
+from edl_agent.runtime.supervisor import Every, Supervisor, Watched
 
 
 class Flaky:

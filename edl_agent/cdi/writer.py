@@ -24,7 +24,7 @@ from typing import Any
 from edl_agent.cdi.spec import check_claim_uid
 from edl_agent.devices.model import Vendor
 from edl_agent.dra import names
-from edl_agent.durable import fsync_directory
+from edl_agent.runtime.durable import fsync_directory
 
 PREFIX = f"{names.DOMAIN}-"
 CLAIM_PREFIX = f"{PREFIX}claim-"

@@ -23,7 +23,7 @@ from typing import Any
 
 import structlog
 
-from edl_agent.durable import read_state, write_atomically
+from edl_agent.runtime.durable import read_state, write_atomically
 
 FORMAT = 1
 DIRECTORY = "dra"

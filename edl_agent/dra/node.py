@@ -29,7 +29,6 @@ from typing import Any
 
 import structlog
 
-from edl_agent.backoff import Backoff
 from edl_agent.cdi import CdiWriter, claim_cdi_id, claim_spec, vendor_spec
 from edl_agent.cdi import Grant as CdiGrant
 from edl_agent.config import Settings
@@ -42,9 +41,10 @@ from edl_agent.dra.kubelet_plugin import DeviceHealthMap, DraPluginServer, socke
 from edl_agent.dra.prepare import ClaimRef, Grant, Preparer, PrepareResult
 from edl_agent.dra.publisher import SlicePublisher, remove_stale_slices
 from edl_agent.dra.slices import desired_slices
-from edl_agent.metrics.podresources import PodResourcesClient
+from edl_agent.health.state import DeviceState, Snapshot
+from edl_agent.kubelet.podresources import PodResourcesClient
 from edl_agent.plugin.allocation import optional_control_nodes
-from edl_agent.plugin.state import DeviceState, Snapshot
+from edl_agent.runtime.backoff import Backoff
 
 RESYNC_SECONDS = 60.0
 # How long a device-plugin hand-out blocks a claim without kubelet's pod-resources listing it.

@@ -47,9 +47,9 @@ from edl_agent.config import Settings
 from edl_agent.devices.model import Device, Health, Inventory, UnitKind, Vendor
 from edl_agent.devices.resources import advertised_resources, product_model
 from edl_agent.dra import names
+from edl_agent.health.state import Snapshot
 from edl_agent.kube_time import format_time
 from edl_agent.labels.compute import label_value
-from edl_agent.plugin.state import Snapshot
 
 Spec = dict[str, Any]
 HealthSource = Snapshot | tuple[Inventory, Mapping[str, str] | Collection[str]]

@@ -34,9 +34,9 @@ import structlog
 from google.protobuf import json_format  # type: ignore[import-untyped]
 
 from edl_agent._proto.edl.fault.v1 import fault_pb2
-from edl_agent.durable import fsync_directory
 from edl_agent.faults.convert import InvalidFault, from_proto, to_proto
 from edl_agent.faults.model import Fault
+from edl_agent.runtime.durable import fsync_directory
 
 log = structlog.get_logger(__name__)
 

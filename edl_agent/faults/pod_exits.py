@@ -27,12 +27,12 @@ from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from edl_agent.backoff import backoff_delay
-from edl_agent.bounded import BoundedSet
 from edl_agent.faults.model import Fault
 from edl_agent.faults.pod_faults import container_exit_faults, pod_ref
 from edl_agent.kube import NodeApi
 from edl_agent.kube_watch import WatchLoop
+from edl_agent.runtime.backoff import backoff_delay
+from edl_agent.runtime.bounded import BoundedSet
 
 REMEMBERED = 10_000
 SOURCE = "agent"

@@ -31,10 +31,10 @@ import structlog
 
 from edl_agent._proto.edl.fault.v1 import fault_pb2, fault_pb2_grpc
 from edl_agent.address import is_loopback
-from edl_agent.backoff import backoff_delay
 from edl_agent.faults.convert import to_proto
 from edl_agent.faults.model import Fault
 from edl_agent.faults.outbox import Outbox
+from edl_agent.runtime.backoff import backoff_delay
 
 log = structlog.get_logger(__name__)
 

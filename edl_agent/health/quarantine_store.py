@@ -22,9 +22,9 @@ from typing import Any
 
 import structlog
 
-from edl_agent.durable import read_state, write_atomically
 from edl_agent.health.model import ClearsBy, Level
 from edl_agent.health.tracker import Condition
+from edl_agent.runtime.durable import read_state, write_atomically
 
 FORMAT = 1
 FILE_NAME = "quarantine.json"

@@ -16,10 +16,10 @@ from datetime import UTC, datetime
 
 import structlog
 
-from edl_agent.backoff import Backoff
 from edl_agent.config import Settings
 from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.model import Vendor
+from edl_agent.health.state import DeviceState
 from edl_agent.health.tracker import Condition
 from edl_agent.kube import ApiError, NodeApi
 from edl_agent.labels.compute import node_labels
@@ -28,7 +28,7 @@ from edl_agent.labels.cordon import Cordon
 from edl_agent.labels.events import EventSpec
 from edl_agent.labels.node import NodeUpdater
 from edl_agent.labels.watching import NodeWatcher
-from edl_agent.plugin.state import DeviceState
+from edl_agent.runtime.backoff import Backoff
 
 WAKE_SECONDS = 1.0
 MAX_BACKOFF_SECONDS = 30.0

@@ -30,8 +30,9 @@ from prometheus_client.metrics_core import (
 from edl_agent import __version__
 from edl_agent.devices.model import Device
 from edl_agent.health.model import DeviceTelemetry
-from edl_agent.metrics.inputs import AgentCounts, HealthCounts, PodRef
-from edl_agent.plugin.state import Snapshot
+from edl_agent.health.state import Snapshot
+from edl_agent.kubelet.podresources import PodRef
+from edl_agent.metrics.inputs import AgentCounts, HealthCounts
 
 MIB = 1024 * 1024
 

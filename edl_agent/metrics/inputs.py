@@ -7,16 +7,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 
-@dataclass(frozen=True, order=True)
-class PodRef:
-    """One container holding (a unit of) a device, as kubelet's pod-resources API reports it."""
-
-    namespace: str
-    pod: str
-    container: str
-    resource: str
-
-
 @dataclass(frozen=True)
 class HealthCounts:
     """Running totals kept by the health watchers since the agent started.

@@ -16,12 +16,12 @@ from pathlib import Path
 import grpc
 import structlog
 
-from edl_agent.backoff import Backoff
 from edl_agent.config import PluginSettings
 from edl_agent.devices.hostroot import HostRoot
+from edl_agent.health.state import DeviceState
 from edl_agent.plugin.server import KUBELET_SOCKET, PluginServer, register
 from edl_agent.plugin.service import DevicePluginService
-from edl_agent.plugin.state import DeviceState
+from edl_agent.runtime.backoff import Backoff
 
 FIRST_RETRY_SECONDS = 0.1
 MAX_RETRY_SECONDS = 5.0

@@ -13,8 +13,8 @@ from edl_agent._proto.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from edl_agent.config import PluginSettings
 from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.model import Device, ResourceUnit
+from edl_agent.health.state import DeviceState, Snapshot
 from edl_agent.plugin import allocation, preferred
-from edl_agent.plugin.state import DeviceState, Snapshot
 
 # ListAndWatch streams are woken when their call ends (and when their server stops); this is
 # only the backstop for a wake-up that was missed.

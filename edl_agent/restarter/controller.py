@@ -39,8 +39,6 @@ from typing import Any, Protocol
 
 import structlog
 
-from edl_agent.backoff import Backoff
-from edl_agent.bounded import BoundedMap
 from edl_agent.faults.model import Fault, FaultKind, PodRef
 from edl_agent.faults.pod_faults import controller_owned
 from edl_agent.kube import ApiError, object_version
@@ -63,6 +61,8 @@ from edl_agent.restarter.status import (
 )
 from edl_agent.restarter.storm import StormGuard
 from edl_agent.restarter.watchers import pod_ref
+from edl_agent.runtime.backoff import Backoff
+from edl_agent.runtime.bounded import BoundedMap
 from edl_agent.typed import SchemaError
 
 log = structlog.get_logger(__name__)

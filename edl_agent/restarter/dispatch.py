@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Generic, TypeVar
 
-from edl_agent.bounded import BoundedSet
 from edl_agent.faults.model import Fault, FaultKind
 from edl_agent.restarter.storm import StormGuard
+from edl_agent.runtime.bounded import BoundedSet
 
 KEEP_IDS = 100_000
 W = TypeVar("W")

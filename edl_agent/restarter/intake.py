@@ -51,7 +51,6 @@ import structlog
 
 from edl_agent._proto.edl.fault.v1 import fault_pb2, fault_pb2_grpc
 from edl_agent.address import is_loopback
-from edl_agent.bounded import BoundedMap, BoundedSet
 from edl_agent.config import MAX_SHARES_PER_DEVICE
 from edl_agent.faults.convert import InvalidFault, from_proto
 from edl_agent.faults.ids import observer_scoped_id
@@ -67,6 +66,7 @@ from edl_agent.restarter.auth import (
 )
 from edl_agent.restarter.evidence import Check, Outcome, check_exit, check_pod
 from edl_agent.restarter.server_tls import CertificateError, ReloadingCertificate
+from edl_agent.runtime.bounded import BoundedMap, BoundedSet
 
 log = structlog.get_logger(__name__)
 

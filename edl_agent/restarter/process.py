@@ -13,7 +13,6 @@ from typing import Any
 
 import structlog
 
-from edl_agent.backoff import Backoff
 from edl_agent.errors import UsageError
 from edl_agent.metrics.server import MetricsServer
 from edl_agent.restarter.auth import CachedReviewer, TokenReviewer
@@ -26,6 +25,7 @@ from edl_agent.restarter.metrics import RestarterMetrics
 from edl_agent.restarter.settings import RestarterSettings
 from edl_agent.restarter.storm import StormGuard
 from edl_agent.restarter.watchers import ClusterWatcher
+from edl_agent.runtime.backoff import Backoff
 
 logger = structlog.get_logger(__name__)
 

@@ -34,7 +34,6 @@ from typing import Any
 import structlog
 from kubernetes import client
 
-from edl_agent.bounded import BoundedMap, BoundedSet
 from edl_agent.faults.ids import node_not_ready_id
 from edl_agent.faults.model import Fault, FaultKind, PodRef
 from edl_agent.faults.pod_faults import (
@@ -49,6 +48,7 @@ from edl_agent.faults.pod_faults import (
 from edl_agent.kube import call_json, object_version, version_number, watch_events
 from edl_agent.kube_watch import WatchLoop
 from edl_agent.restarter.pod_cache import is_whole, slim_pod
+from edl_agent.runtime.bounded import BoundedMap, BoundedSet
 
 log = structlog.get_logger(__name__)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -18,10 +19,20 @@ import structlog
 
 from edl_agent._proto.podresources.v1 import api_pb2, api_pb2_grpc
 from edl_agent.devices.model import ResourceUnit
-from edl_agent.metrics.inputs import PodRef
 
 DEFAULT_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
 DEFAULT_TIMEOUT_SECONDS = 1.0
+
+
+@dataclass(frozen=True, order=True)
+class PodRef:
+    """One container holding (a unit of) a device, as kubelet's pod-resources API reports it."""
+
+    namespace: str
+    pod: str
+    container: str
+    resource: str
+
 
 Units = Mapping[str, Mapping[str, ResourceUnit]]
 """Resource name → advertised unit id → unit, as in `Snapshot.units`."""

@@ -20,7 +20,7 @@ from typing import Protocol
 
 import structlog
 
-from edl_agent.backoff import Backoff
+from edl_agent.runtime.backoff import Backoff
 
 HEALTHY_SECONDS = 60.0
 WATCH_SECONDS = 0.5

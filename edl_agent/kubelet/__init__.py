@@ -1,0 +1,1 @@
+"""Adapters for kubelet's own APIs that several parts share (pod-resources)."""
