@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections.abc import Iterator
 
+import psutil
 import pytest
 import structlog
+
+# How long a test's threads and processes get to end after its fixtures are torn down.
+LEFTOVER_GRACE_SECONDS = 5.0
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -38,3 +44,31 @@ def _fresh_logging() -> Iterator[None]:
     """Commands configure structlog globally; give every test the library defaults back."""
     yield
     structlog.reset_defaults()
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_behind() -> Iterator[None]:
+    """A test that leaves a thread or a child process of its own running fails: every thread has
+    an owner that stops and joins it, every process is ended by whoever started it. What session
+    fixtures run (a control plane) started before the test and does not count."""
+    threads_before = set(threading.enumerate())
+    me = psutil.Process()
+    children_before = {p.pid for p in me.children(recursive=True)}
+    yield
+    deadline = time.monotonic() + LEFTOVER_GRACE_SECONDS
+    threads = [t for t in threading.enumerate() if t not in threads_before]
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    left_threads = sorted(t.name for t in threads if t.is_alive())
+    children = [p for p in me.children(recursive=True) if p.pid not in children_before]
+    _gone, alive = psutil.wait_procs(children, timeout=max(0.0, deadline - time.monotonic()))
+    left_processes = sorted(f"{p.pid} {_name(p)}" for p in alive)
+    assert not left_threads, f"threads left running: {left_threads}"
+    assert not left_processes, f"processes left running: {left_processes}"
+
+
+def _name(process: psutil.Process) -> str:
+    try:
+        return " ".join(process.cmdline()[:3])
+    except psutil.Error:
+        return "?"

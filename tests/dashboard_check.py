@@ -31,7 +31,8 @@ from edl_agent.sim.profile import load_profile
 from edl_agent.sim.tree import build_tree
 from tests.kubelet_standin import KubeletStandIn
 from tests.podresources_standin import PodResourcesStandIn
-from tests.prometheus_runner import Prometheus, free_port, get, wait_for, wait_until_serving
+from tests.prometheus_runner import Prometheus, free_port, get, wait_until_serving
+from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 DASHBOARD = REPO / "deploy" / "grafana" / "edl-agent.json"
@@ -275,7 +276,7 @@ def wait_for_series(
     those still without after `timeout`."""
     checked = list(checked)
     names = sorted({name for query in checked for name in query.metrics})
-    wait_for(lambda: _ready(prometheus), "Prometheus to serve")
+    wait_until(lambda: _ready(prometheus), what="Prometheus to serve", timeout=60, poll=0.2)
     deadline = time.monotonic() + timeout
     while True:
         answers = {query: instant(prometheus, query.promql) for query in checked}
@@ -377,16 +378,21 @@ class SimulatedAgent:
         agent's plugin step raises (counted, retried) until it is a directory again; then the
         agent serves its plugin again and registers anew, as after a kubelet restart."""
         inject.inject_xid(self.tree, UNHEALTHY_GPU, XID)
-        wait_for(
-            lambda: f'index="{UNHEALTHY_GPU}",xid="{XID}"' in self.exposition(), "the XID counted"
+        wait_until(
+            lambda: f'index="{UNHEALTHY_GPU}",xid="{XID}"' in self.exposition(),
+            what="the XID counted",
+            timeout=60,
+            poll=0.2,
         )
         registered = len(self.kubelet.registrations)
         self.kubelet.stop()
         shutil.rmtree(self.kubelet.directory)
         self.kubelet.directory.write_text("not a directory\n")
-        wait_for(
+        wait_until(
             lambda: 'edl_agent_step_failures_total{step="plugins"}' in self.exposition(),
-            "the agent's plugin step to fail",
+            what="the agent's plugin step to fail",
+            timeout=60,
+            poll=0.2,
         )
         self.kubelet.directory.unlink()
         self.kubelet.directory.mkdir()

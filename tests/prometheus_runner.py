@@ -8,15 +8,16 @@ import json
 import shutil
 import socket
 import subprocess
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.waiting import wait_until
 
 
 def need(tool: str) -> str:
@@ -51,15 +52,7 @@ def wait_until_serving(base_url: str, timeout: float = 60) -> None:
         except OSError:  # not listening yet (urllib's URLError is an OSError)
             return False
 
-    wait_for(answers, f"{base_url} serving", timeout)
-
-
-def wait_for(check: Callable[[], bool], what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.2)
+    wait_until(answers, what=f"{base_url} serving", timeout=timeout, poll=0.2)
 
 
 class Prometheus:

@@ -10,9 +10,8 @@ import shutil
 import socket
 import subprocess
 import threading
-import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -40,6 +39,7 @@ from edl_agent.restarter.auth import (
 )
 from edl_agent.restarter.intake import FaultIntake, IntakeError, IntakeServer
 from edl_agent.runtime.backoff import backoff_delay
+from tests.waiting import wait_until
 
 T0 = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
 AGENT = service_account_user("edl-system", "edl-agent")
@@ -101,13 +101,6 @@ def fault(n: int, node: str = "node-a") -> Fault:
 
 def fid(n: int) -> str:
     return container_exit_id(f"uid-{n}", "worker", 0)
-
-
-def wait_until(what: str, done: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not done():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 def free_port() -> int:
@@ -388,7 +381,7 @@ def test_the_sender_delivers_and_forgets(restarter: Restarter, tmp_path: Path) -
         for n in range(5):
             outbox.enqueue(fault(n))
         outbox.enqueue(fault(9, node="node-b"))  # refused: dropped, never retried
-        wait_until("the outbox to empty", lambda: len(outbox) == 0)
+        wait_until(lambda: len(outbox) == 0, what="the outbox to empty")
     finally:
         sender.stop()
         outbox.close()
@@ -408,10 +401,10 @@ def test_a_fault_the_restarter_cannot_record_stays_in_the_outbox(
     try:
         outbox.enqueue(fault(1))
         outbox.enqueue(fault(2))
-        wait_until("failed calls", lambda: sender.counts().call_failures >= 2)
+        wait_until(lambda: sender.counts().call_failures >= 2, what="failed calls")
         assert [f.id for f in outbox.pending()] == [fid(1), fid(2)]
         restarter.fail_sink = False
-        wait_until("the outbox to empty", lambda: len(outbox) == 0)
+        wait_until(lambda: len(outbox) == 0, what="the outbox to empty")
     finally:
         sender.stop()
         outbox.close()
@@ -429,11 +422,11 @@ def test_a_fault_the_cache_does_not_show_yet_is_sent_again_not_dropped(
     try:
         outbox.enqueue(fault(7))
         outbox.enqueue(fault(1))
-        wait_until("the other fault delivered", lambda: restarter.ids() == {fid(1): 1})
-        wait_until("asked again", lambda: sender.counts().deferred >= 3)
+        wait_until(lambda: restarter.ids() == {fid(1): 1}, what="the other fault delivered")
+        wait_until(lambda: sender.counts().deferred >= 3, what="asked again")
         assert [f.id for f in outbox.pending()] == [fid(7)]
         restarter.not_cached.clear()  # the cache caught up
-        wait_until("the outbox to empty", lambda: len(outbox) == 0)
+        wait_until(lambda: len(outbox) == 0, what="the outbox to empty")
     finally:
         sender.stop()
         outbox.close()
@@ -448,10 +441,10 @@ def test_the_sender_waits_out_an_outage(tmp_path: Path) -> None:
     later = Restarter(port)
     try:
         outbox.enqueue(fault(1))
-        wait_until("a few failed calls", lambda: sender.counts().call_failures >= 3)
+        wait_until(lambda: sender.counts().call_failures >= 3, what="a few failed calls")
         later.server.start()
         outbox.enqueue(fault(2))
-        wait_until("the outbox to empty", lambda: len(outbox) == 0)
+        wait_until(lambda: len(outbox) == 0, what="the outbox to empty")
     finally:
         sender.stop()
         outbox.close()
@@ -464,13 +457,13 @@ def test_a_token_is_read_for_every_call(restarter: Restarter, tmp_path: Path) ->
     sender.start()
     try:
         outbox.enqueue(fault(1))
-        wait_until("a failed call", lambda: sender.counts().call_failures >= 1)
+        wait_until(lambda: sender.counts().call_failures >= 1, what="a failed call")
         assert restarter.reviewer.calls == {}  # nothing sent without a token
         (tmp_path / "token").write_text("intruder-a")
-        wait_until("a refused call", lambda: restarter.intake.counts().refused != {})
+        wait_until(lambda: restarter.intake.counts().refused != {}, what="a refused call")
         assert len(outbox) == 1  # a refused caller keeps its faults: the refusal is not theirs
         (tmp_path / "token").write_text("agent-a")
-        wait_until("the outbox to empty", lambda: len(outbox) == 0)
+        wait_until(lambda: len(outbox) == 0, what="the outbox to empty")
     finally:
         sender.stop()
         outbox.close()
@@ -481,7 +474,7 @@ def test_stop_leaves_the_outbox_on_disk(tmp_path: Path) -> None:
     outbox, sender = sender_for(tmp_path, f"127.0.0.1:{free_port()}")
     sender.start()
     outbox.enqueue(fault(1))
-    wait_until("a failed call", lambda: sender.counts().call_failures >= 1)
+    wait_until(lambda: sender.counts().call_failures >= 1, what="a failed call")
     sender.stop()
     outbox.close()
     again = Outbox(tmp_path / "outbox")
@@ -520,7 +513,7 @@ def test_tls(certificate: tuple[Path, Path], tmp_path: Path) -> None:
     sender.start()
     try:
         outbox.enqueue(fault(1))
-        wait_until("the outbox to empty", lambda: len(outbox) == 0)
+        wait_until(lambda: len(outbox) == 0, what="the outbox to empty")
         with pytest.raises(grpc.RpcError) as plaintext:
             report(restarter.address, [fault(2)], "agent-a")
         assert plaintext.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -30,7 +30,8 @@ from edl_agent.metrics.server import MetricsServer, parse_address
 from edl_agent.sim.profile import load_profile
 from edl_agent.sim.tree import build_tree
 from tests.podresources_standin import PodResourcesStandIn
-from tests.prometheus_runner import get, need, running_prometheus, wait_for
+from tests.prometheus_runner import get, need, running_prometheus
+from tests.waiting import wait_until
 
 GPU = "nvidia.com/gpu"
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -651,12 +652,22 @@ def test_a_real_prometheus_sees_a_device_go_unhealthy(state: DeviceState, tmp_pa
         running_prometheus([metrics.url[7:]], tmp_path) as prometheus,
     ):
         value = prometheus.value
-        wait_for(lambda: value('edl_device_healthy{index="3"}') == "1", "GPU 3 healthy")
+        wait_until(
+            lambda: value('edl_device_healthy{index="3"}') == "1",
+            what="GPU 3 healthy",
+            timeout=60,
+            poll=0.2,
+        )
         [sample] = prometheus.query('edl_device_healthy{index="3"}')
         assert sample["metric"]["device_id"] == gpu3
         assert value('up{job="edl"}') == "1"
         assert value(f'edl_agent_info{{version="{__version__}"}}') == "1"
 
         state.set_unhealthy({gpu3})
-        wait_for(lambda: value('edl_device_healthy{index="3"}') == "0", "GPU 3 unhealthy")
+        wait_until(
+            lambda: value('edl_device_healthy{index="3"}') == "0",
+            what="GPU 3 unhealthy",
+            timeout=60,
+            poll=0.2,
+        )
         assert value('sum(edl_device_healthy{index!="3"})') == "7"

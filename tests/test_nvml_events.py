@@ -22,6 +22,7 @@ from edl_agent.health.nvml_watch import NvmlWatcher
 from edl_agent.sim import inject, nvidia_tree
 from edl_agent.sim.profile import load_profile, stable_uuid
 from edl_agent.sim.tree import build_tree
+from tests.waiting import wait_until
 
 TIMEOUT = 5.0
 
@@ -68,14 +69,6 @@ class Events:
         pytest.fail(f"unexpected event {event}")
 
 
-def wait_for(condition: Callable[[], bool], timeout: float = TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail("condition not met in time")
-        time.sleep(0.01)
-
-
 @pytest.fixture
 def node(tmp_path: Path) -> Path:
     build_tree(load_profile("dgx-h100"), tmp_path)
@@ -97,7 +90,7 @@ def start() -> Iterator[Callable[..., tuple[NvmlWatcher, Events]]]:
         watchers.append(watcher)
         watcher.start()
         if ready:
-            wait_for(lambda: watcher.ready)
+            wait_until(lambda: watcher.ready, timeout=TIMEOUT)
         return watcher, events
 
     yield run
@@ -214,7 +207,7 @@ def test_init_failure_is_retried_and_cleared(
         Level.NODE_FATAL,
     )
     assert "Driver Not Loaded" in failed.detail
-    wait_for(lambda: watcher.restarts >= 3)
+    wait_until(lambda: watcher.restarts >= 3, timeout=TIMEOUT)
     assert not watcher.ready
     assert events.queue.empty()  # reported once, not on every retry
 
@@ -222,7 +215,7 @@ def test_init_failure_is_retried_and_cleared(
 
     cleared = events.next()
     assert (cleared.device_id, cleared.reason, cleared.cleared) == (None, "NVML_INIT_FAILED", True)
-    wait_for(lambda: watcher.ready)
+    wait_until(lambda: watcher.ready, timeout=TIMEOUT)
 
 
 def test_broken_event_loop(node: Path, start: Callable[..., tuple[NvmlWatcher, Events]]) -> None:
@@ -244,7 +237,7 @@ def test_broken_event_loop(node: Path, start: Callable[..., tuple[NvmlWatcher, E
 
     cleared = {events.next().reason, events.next().reason}
     assert cleared == {"NVML_EVENT_LOOP_FAILED", "NVML_INIT_FAILED"}
-    wait_for(lambda: watcher.ready)
+    wait_until(lambda: watcher.ready, timeout=TIMEOUT)
     inject.inject_xid(node, 1, 45)
     assert events.next().reason == "XID45"
 
@@ -294,7 +287,7 @@ def test_a_new_event_set_starts_at_the_end_of_the_fault_file(node: Path) -> None
 def test_stop_joins_promptly(node: Path) -> None:
     watcher = NvmlWatcher(HostRoot.at(node), lambda _: None, classify)  # default 500 ms waits
     watcher.start()
-    wait_for(lambda: watcher.ready)
+    wait_until(lambda: watcher.ready, timeout=TIMEOUT)
 
     began = time.monotonic()
     watcher.stop()
@@ -356,10 +349,10 @@ def test_an_event_handler_that_raises_does_not_stop_the_watcher(node: Path) -> N
     watcher = NvmlWatcher(HostRoot.at(node), handler, classify, wait_ms=100)
     watcher.start()
     try:
-        wait_for(lambda: watcher.ready)
+        wait_until(lambda: watcher.ready, timeout=TIMEOUT)
         inject.inject_xid(node, 0, 31)
         inject.inject_xid(node, 0, 32)
-        wait_for(lambda: len(seen) == 2)
+        wait_until(lambda: len(seen) == 2, timeout=TIMEOUT)
         assert watcher.ready
         assert watcher.restarts == 0
     finally:

@@ -12,12 +12,13 @@ from __future__ import annotations
 import base64
 import json
 import secrets
-import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+
+from tests.waiting import wait_for
 
 KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
 NODE_NOT_READY_LABEL = "node-not-ready.stage.kwok.x-k8s.io"
@@ -31,24 +32,6 @@ NOT_FOUND = 404
 CONFLICT = 409
 
 T = TypeVar("T")
-
-
-class WaitTimeout(AssertionError):
-    """A condition the test waited for did not come true in time."""
-
-
-def wait_for(
-    what: str, fetch: Callable[[], T], done: Callable[[T], bool], timeout: float = 30.0
-) -> T:
-    """Poll ``fetch()`` until ``done(value)``; the last value, or WaitTimeout."""
-    deadline = time.monotonic() + timeout
-    value = fetch()
-    while not done(value):
-        if time.monotonic() > deadline:
-            raise WaitTimeout(f"timed out after {timeout:.0f}s waiting for {what}; last: {value}")
-        time.sleep(0.1)
-        value = fetch()
-    return value
 
 
 def node_ready(node: Any) -> bool | None:

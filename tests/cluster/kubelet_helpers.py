@@ -8,9 +8,8 @@ import contextlib
 import json
 import subprocess
 import sys
-import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -25,6 +24,7 @@ from scheduler import Process, free_port, spawn
 from edl_agent._proto.podresources.v1 import api_pb2, api_pb2_grpc
 from edl_agent.sim.profile import load_profile
 from edl_agent.sim.tree import build_tree
+from tests.waiting import wait_for
 
 EDL_AGENT = str(Path(sys.executable).with_name("edl-agent"))
 IMAGE = "registry.invalid/edl/worker:test"  # the fake runtime "pulls" anything
@@ -140,30 +140,6 @@ def node_agent(
     return agent
 
 
-def wait_until(
-    what: str,
-    fetch: Callable[[], Any],
-    done: Callable[[Any], bool],
-    *,
-    timeout: float = 60.0,
-    alive: Process | None = None,
-    interval: float = 0.05,
-) -> Any:
-    """Poll `fetch()` until `done(value)`; names the last value (and a dead process) on timeout."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fetch()
-        if done(value):
-            return value
-        if alive is not None:
-            alive.check_alive()
-        if time.monotonic() > deadline:
-            raise AssertionError(
-                f"timed out after {timeout:.0f}s waiting for {what}; last: {value}"
-            )
-        time.sleep(interval)
-
-
 def allocatable(core: client.CoreV1Api, node: str) -> dict[str, int]:
     return extended(core.read_node(node).status.allocatable)
 
@@ -241,7 +217,7 @@ def claim_pod(name: str, claim: str, *, request: str = "devices") -> client.V1Po
 
 
 def wait_phase(core: client.CoreV1Api, namespace: str, name: str, phase: str, **kw: Any) -> Any:
-    return wait_until(
+    return wait_for(
         f"{namespace}/{name} {phase}",
         lambda: core.read_namespaced_pod(name, namespace),
         lambda pod: pod.status.phase == phase,

@@ -31,8 +31,8 @@ from kubelet_helpers import (
     logged_at,
     node_agent,
     pod_devices,
+    wait_for,
     wait_phase,
-    wait_until,
 )
 from kubernetes import client
 from scheduler import Process, free_port
@@ -117,7 +117,7 @@ def slice_devices(slices: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def wait_slices(
     custom: client.CustomObjectsApi, node: str, driver: str, count: int, agent: NodeAgent
 ) -> dict[str, dict[str, Any]]:
-    found: dict[str, dict[str, Any]] = wait_until(
+    found: dict[str, dict[str, Any]] = wait_for(
         f"{count} devices of {driver} published for {node}",
         lambda: slice_devices(node_slices(custom, node, driver)),
         lambda devices: len(devices) == count,
@@ -181,7 +181,7 @@ def claim_health(pod: Any) -> dict[str, str]:
 
 def wait_registered(agent: NodeAgent, driver: str, *, since: float) -> None:
     """Until kubelet confirms the registration of `driver`'s plugin (after `since`, unix time)."""
-    wait_until(
+    wait_for(
         f"kubelet registered {driver}",
         lambda: [
             e
@@ -198,7 +198,7 @@ def delete_pod_and_wait_unprepared(
     k8s: KwokCluster, agent: NodeAgent, cdi_dir: Path, name: str, uid: str
 ) -> None:
     k8s.core.delete_namespaced_pod(name, k8s.namespace, grace_period_seconds=0)
-    wait_until(
+    wait_for(
         f"claim {uid} unprepared (its CDI spec gone)",
         (cdi_dir / f"edl.io-claim-{uid}.json").exists,
         lambda exists: not exists,
@@ -319,7 +319,7 @@ def test_an_xid_taints_the_device_shows_in_the_pod_and_keeps_new_claims_off_unti
 
     inject.inject_xid(agent.tree, index[held[0]], 48)  # on a GPU the pod holds
     inject.inject_xid(agent.tree, index[free[0]], 48)  # and on a free one
-    tainted = wait_until(
+    tainted = wait_for(
         "both GPUs tainted in the slice",
         lambda: slice_devices(node_slices(custom, node.name, GPU_DRIVER)),
         lambda found: all(found[n].get("taints") for n in (held[0], free[0])),
@@ -329,7 +329,7 @@ def test_an_xid_taints_the_device_shows_in_the_pod_and_keeps_new_claims_off_unti
     [taint] = tainted[held[0]]["taints"]
     assert (taint["key"], taint["effect"]) == ("edl.io/unhealthy", "NoSchedule")
     assert not tainted[held[1]].get("taints")
-    wait_until(
+    wait_for(
         "the holder's allocatedResourcesStatus shows its GPU Unhealthy",
         lambda: claim_health(k8s.core.read_namespaced_pod("holder", ns)),
         lambda health: any(h == "Unhealthy" and held[0] in r for r, h in health.items()),
@@ -461,7 +461,7 @@ def test_served_both_ways_no_gpu_goes_to_a_device_plugin_pod_and_a_claim(
     node = kubelet_nodes()
     agent = dra_agents(node, "dgx-h100", "nvidia.serve=both")
     wait_slices(custom, node.name, GPU_DRIVER, 8, agent)
-    wait_until(
+    wait_for(
         "allocatable nvidia.com/gpu: 8",
         lambda: allocatable(k8s.core, node.name).get(GPU),
         lambda count: count == 8,
@@ -472,7 +472,7 @@ def test_served_both_ways_no_gpu_goes_to_a_device_plugin_pod_and_a_claim(
     k8s.core.create_namespaced_pod(ns, gpu_pod("plugin-pod", node.name, {GPU: "6"}))
     wait_phase(k8s.core, ns, "plugin-pod", "Running", timeout=STEP)
     held = set(pod_devices(node, ns, "plugin-pod")["main"][GPU])
-    tainted = wait_until(
+    tainted = wait_for(
         "the six GPUs the device plugin gave out tainted in the slice",
         lambda: {
             d["attributes"]["id"]["string"]
@@ -494,7 +494,7 @@ def test_served_both_ways_no_gpu_goes_to_a_device_plugin_pod_and_a_claim(
     devices = slice_devices(node_slices(custom, node.name, GPU_DRIVER))
     assert not {devices[n]["attributes"]["id"]["string"] for n in claimed} & held
     assert k8s.core.read_namespaced_pod("three", ns).status.phase == "Pending"
-    wait_until(
+    wait_for(
         "allocatable nvidia.com/gpu: 6 (the claimed two are withheld)",
         lambda: allocatable(k8s.core, node.name).get(GPU),
         lambda count: count == 6,
@@ -502,7 +502,7 @@ def test_served_both_ways_no_gpu_goes_to_a_device_plugin_pod_and_a_claim(
         alive=agent.process,
     )
     k8s.core.create_namespaced_pod(ns, gpu_pod("one-more", node.name, {GPU: "1"}))
-    pod = wait_until(
+    pod = wait_for(
         "kubelet refuses a device-plugin pod: no GPU is left for it",
         lambda: k8s.core.read_namespaced_pod("one-more", ns),
         lambda found: found.status.phase == "Failed",
@@ -524,14 +524,14 @@ def test_a_vendor_switched_back_to_the_device_plugin_leaves_no_slices(
     assert allocatable(k8s.core, node.name).get(GPU, 0) == 0
     assert first.stop() == 0
     second = dra_agents(node, "dgx-h100", "nvidia.serve=device-plugin", after=first)
-    wait_until(
+    wait_for(
         f"{node.name}'s slices removed",
         lambda: node_slices(custom, node.name, GPU_DRIVER),
         lambda slices: slices == [],
         timeout=STEP,
         alive=second.process,
     )
-    wait_until(
+    wait_for(
         "allocatable nvidia.com/gpu: 8",
         lambda: allocatable(k8s.core, node.name).get(GPU),
         lambda count: count == 8,

@@ -47,7 +47,7 @@ from typing import Any
 import pytest
 import testcluster
 import testnode
-from k8s_test_helpers import GPU_RESOURCE, KwokCluster, WaitTimeout, bound_tokens, wait_for
+from k8s_test_helpers import GPU_RESOURCE, KwokCluster, bound_tokens, wait_for
 from kubelet_helpers import (
     NodeAgent,
     created_containers,
@@ -67,6 +67,7 @@ from test_restarter import GROUP, PLURAL, VERSION, crd, restarter_rbac  # noqa: 
 from edl_agent.labels.condition import CONDITION_TYPE
 from edl_agent.restarter.actuator import REPLACES_ANNOTATION, RESTART_COUNT_ANNOTATION
 from edl_agent.sim import inject
+from tests.waiting import WaitTimeout
 
 EDL_AGENT = str(Path(sys.executable).with_name("edl-agent"))
 AGENT_SA, RESTARTER_SA = "edl-agent", "edl-restarter"

@@ -27,8 +27,8 @@ from kubelet_helpers import (
     node_agent,
     pod_devices,
     resource_health,
+    wait_for,
     wait_phase,
-    wait_until,
 )
 
 from edl_agent.sim import inject
@@ -68,7 +68,7 @@ def gpu_node(
     """A kubelet node served by an agent on a simulated dgx-h100, all 8 GPUs allocatable."""
     node = kubelet_nodes()
     agent = agents(node, "dgx-h100")
-    wait_until(
+    wait_for(
         f"{node.name} allocatable {GPU}: 8",
         lambda: allocatable(k8s.core, node.name),
         lambda found: found.get(GPU) == 8,
@@ -91,7 +91,7 @@ def test_allocatable_is_what_discover_prints(
     assert expected, f"{profile} advertises nothing"
     if profile == "dgx-a100-mig":
         assert any(name.startswith("nvidia.com/mig-") for name in expected), expected
-    found = wait_until(
+    found = wait_for(
         f"{node.name} allocatable == discover's resources",
         lambda: extended(k8s.core.read_node(node.name).status.allocatable),
         lambda found: found == expected,
@@ -140,7 +140,7 @@ def test_cgpu_memory_and_core_units_come_from_one_physical_gpu(
     resources = agent.discover()
     memory = next(r for r in resources if r.endswith("_cgpu_memory"))
     core = next(r for r in resources if r.endswith("_cgpu_core"))
-    wait_until(
+    wait_for(
         "cGPU units allocatable",
         lambda: allocatable(k8s.core, node.name),
         lambda found: found.get(memory) == resources[memory],
@@ -175,7 +175,7 @@ def test_xid_on_a_held_gpu_reaches_the_pod_status_allocatable_faults_and_metrics
     wait_phase(k8s.core, ns, name, "Running", timeout=STEP)
     [held] = pod_devices(node, ns, name)["main"][GPU]
     index = next(d["index"] for d in agent.devices() if d["id"] == held)
-    pod = wait_until(
+    pod = wait_for(
         "allocatedResourcesStatus Healthy",
         lambda: k8s.read_pod(name),
         lambda pod: resource_health(pod) == [(GPU, held, "Healthy")],
@@ -184,14 +184,14 @@ def test_xid_on_a_held_gpu_reaches_the_pod_status_allocatable_faults_and_metrics
 
     injected = time.time()
     inject.inject_xid(agent.tree, index, 79)
-    pod = wait_until(
+    pod = wait_for(
         "allocatedResourcesStatus Unhealthy",
         lambda: k8s.read_pod(name),
         lambda pod: resource_health(pod) == [(GPU, held, "Unhealthy")],
         timeout=STEP,
     )
     seen_unhealthy = time.time() - injected
-    wait_until(
+    wait_for(
         "allocatable down by one",
         lambda: allocatable(k8s.core, node.name),
         lambda found: found.get(GPU) == 7,
@@ -199,7 +199,7 @@ def test_xid_on_a_held_gpu_reaches_the_pod_status_allocatable_faults_and_metrics
     )
     assert pod.status.phase == "Running"  # kubelet reports; it does not act
 
-    [fault] = wait_until(
+    [fault] = wait_for(
         "the DeviceUnhealthy fault",
         lambda: [e for e in agent.entries("fault observed") if e["kind"] == "DeviceUnhealthy"],
         bool,
@@ -225,7 +225,7 @@ def test_more_than_is_healthy_fails_admission(
 ) -> None:
     node, agent = gpu_node
     inject.inject_xid(agent.tree, 6, 79)
-    wait_until(
+    wait_for(
         "allocatable 7",
         lambda: allocatable(k8s.core, node.name),
         lambda found: found.get(GPU) == 7,
@@ -262,26 +262,26 @@ def test_kubelet_and_agent_restarts(
         began = time.time()
         node.restart_kubelet(timeout=STEP)
         socket_seen = time.time()
-        [registered] = wait_until(
+        [registered] = wait_for(
             f"registration after kubelet restart {attempt + 1}",
             lambda n=registrations: agent.entries("registered with kubelet")[n:],
             bool,
             timeout=STEP,
             alive=agent.process,
-            interval=0.01,
+            poll=0.01,
         )
         registered_at = logged_at(registered)
         # A new kubelet lists the resource with no devices until the plugin registers; the Node
         # written after registration with all 8 is the one that counts.
         before = k8s.core.read_node(node.name).metadata.resource_version
-        wait_until(
+        wait_for(
             f"allocatable back after kubelet restart {attempt + 1}",
             lambda: k8s.core.read_node(node.name),
             lambda n, rv=before: (
                 n.metadata.resource_version != rv and extended(n.status.allocatable).get(GPU) == 8
             ),
             timeout=STEP,
-            interval=0.02,
+            poll=0.02,
         )
         back = time.time()
         rows.append((socket_seen - began, registered_at - socket_seen, back - registered_at))
@@ -289,21 +289,21 @@ def test_kubelet_and_agent_restarts(
     print(f"\nkubelet restarted {KUBELET_RESTARTS} times: {summary}")
 
     # Right after the last restart kubelet's pod-resources may not list the restored devices yet.
-    wait_until(
+    wait_for(
         "pod-resources lists the pod's GPUs again",
         lambda: pod_devices(node, ns, name),
         lambda found: found == held,
         timeout=STEP,
     )
     assert agent.stop() == 0
-    wait_until(
+    wait_for(
         "kubelet to see the agent gone",
         lambda: allocatable(k8s.core, node.name),
         lambda found: found.get(GPU) == 0,
         timeout=STEP,
     )
     agent.start()
-    wait_until(
+    wait_for(
         "allocatable back after the agent restarted",
         lambda: allocatable(k8s.core, node.name),
         lambda found: found.get(GPU) == 8,
