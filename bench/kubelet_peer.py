@@ -86,7 +86,7 @@ from kubelet_helpers import (  # noqa: E402
     node_agent,
     pod_devices,
     resource_health,
-    wait_until,
+    wait_for,
 )
 from nvidia_peer import RESOURCE, XID, Node, nvml_records, theirs_command  # noqa: E402
 from scheduler import Process, ProcessError, spawn, tail  # noqa: E402
@@ -238,13 +238,13 @@ class Side:
     def until(self, what: str, fetch: Callable[[], Any]) -> Any:
         """Poll `fetch` until it returns something else than None."""
         try:
-            return wait_until(
+            return wait_for(
                 what,
                 fetch,
                 lambda found: found is not None,
                 timeout=STEP_S,
                 alive=self.process,
-                interval=POLL_S,
+                poll=POLL_S,
             )
         except (AssertionError, ProcessError) as exc:
             raise RunFailed(self.failure(str(exc))) from None

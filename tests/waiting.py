@@ -24,8 +24,8 @@ def wait_for(
     what: str,
     fetch: Callable[[], T],
     done: Callable[[T], object],
-    *,
     timeout: float = 30.0,
+    *,
     poll: float = 0.05,
     alive: Alive | None = None,
 ) -> T:
