@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import psutil
 import pytest
@@ -13,6 +13,14 @@ import structlog
 
 # How long a test's threads and processes get to end after its fixtures are torn down.
 LEFTOVER_GRACE_SECONDS = 5.0
+# Processes a session fixture owns, asked at each check: a test may restart one of them (the
+# control plane's kube-apiserver) and its new process still belongs to the session.
+SESSION_PROCESSES = pytest.StashKey[list[Callable[[], Iterable[int]]]]()
+
+
+def session_owns(config: pytest.Config, pids: Callable[[], Iterable[int]]) -> None:
+    """Register what a session fixture runs, so the per-test check does not count it."""
+    config.stash.setdefault(SESSION_PROCESSES, []).append(pids)
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -47,7 +55,7 @@ def _fresh_logging() -> Iterator[None]:
 
 
 @pytest.fixture(autouse=True)
-def _nothing_left_behind() -> Iterator[None]:
+def _nothing_left_behind(request: pytest.FixtureRequest) -> Iterator[None]:
     """A test that leaves a thread or a child process of its own running fails: every thread has
     an owner that stops and joins it, every process is ended by whoever started it. What session
     fixtures run (a control plane) started before the test and does not count."""
@@ -60,7 +68,8 @@ def _nothing_left_behind() -> Iterator[None]:
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
     left_threads = sorted(t.name for t in threads if t.is_alive())
-    children = [p for p in me.children(recursive=True) if p.pid not in children_before]
+    owned = {pid for pids in request.config.stash.get(SESSION_PROCESSES, []) for pid in pids()}
+    children = [p for p in me.children(recursive=True) if p.pid not in children_before | owned]
     _gone, alive = psutil.wait_procs(children, timeout=max(0.0, deadline - time.monotonic()))
     left_processes = sorted(f"{p.pid} {_name(p)}" for p in alive)
     assert not left_threads, f"threads left running: {left_threads}"

@@ -51,6 +51,8 @@ from kube_tools import (  # noqa: E402
 )
 from scheduler import Process, ProcessError, start_scheduler  # noqa: E402
 
+from tests.conftest import session_owns  # noqa: E402
+
 _startup: dict[str, float] = {}
 
 
@@ -86,7 +88,7 @@ def k8s_binaries() -> Path:
 
 @pytest.fixture(scope="session")
 def k8s_control_plane(
-    k8s_binaries: Path, tmp_path_factory: pytest.TempPathFactory
+    k8s_binaries: Path, tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config
 ) -> Iterator[testcluster.ControlPlane]:
     directory = tmp_path_factory.mktemp("k8s-control-plane")
     try:
@@ -94,6 +96,7 @@ def k8s_control_plane(
     except testcluster.ControlPlaneError as exc:
         pytest.fail(f"could not start the test control plane: {exc}", pytrace=False)
     _startup["seconds"] = plane.startup_seconds
+    session_owns(pytestconfig, plane.pids.values)
     yield plane
     pids = plane.stop()
     left = [pid for pid in pids if testcluster.pid_alive(pid)]

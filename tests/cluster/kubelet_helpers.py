@@ -109,6 +109,16 @@ class NodeAgent:
         )["devices"]
         return found
 
+    def ready(self) -> bool:
+        """/readyz answers 200: kubelet served, and every health monitor (the NVML event loop
+        among them) watching, so a fault injected from now on is seen."""
+        url = f"http://127.0.0.1:{self.metrics_port}/readyz"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as answer:
+                return bool(answer.status == 200)
+        except OSError:  # not serving yet, or 503 (urllib's HTTPError is an OSError)
+            return False
+
     def metrics(self) -> str:
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=5) as answer:

@@ -65,7 +65,8 @@ def agents(tmp_path: Path) -> Iterator[StartAgent]:
 def gpu_node(
     kubelet_nodes: StartNode, agents: StartAgent, k8s: KwokCluster
 ) -> tuple[testnode.Node, NodeAgent]:
-    """A kubelet node served by an agent on a simulated dgx-h100, all 8 GPUs allocatable."""
+    """A kubelet node served by an agent on a simulated dgx-h100, all 8 GPUs allocatable, and the
+    agent ready (its NVML event loop watching: an XID injected before would be missed)."""
     node = kubelet_nodes()
     agent = agents(node, "dgx-h100")
     wait_for(
@@ -75,6 +76,7 @@ def gpu_node(
         timeout=STEP,
         alive=agent.process,
     )
+    wait_for(f"agent of {node.name} ready", agent.ready, bool, timeout=STEP, alive=agent.process)
     return node, agent
 
 
