@@ -153,6 +153,10 @@ def test_eviction_and_force_deletion() -> None:
     graceful = pod()
     graceful["metadata"]["deletionGracePeriodSeconds"] = 30
     assert force_deletion_fault(graceful, now=NOW, source="restarter") is None
+    unscheduled = pod()
+    unscheduled["spec"].pop("nodeName")
+    unscheduled["metadata"]["deletionGracePeriodSeconds"] = 0  # the API server's, for any delete
+    assert force_deletion_fault(unscheduled, now=NOW, source="restarter") is None
     deleted["status"]["phase"] = "Failed"  # it had terminated already
     assert force_deletion_fault(deleted, now=NOW, source="restarter") is None
 

@@ -125,10 +125,12 @@ def eviction_fault(pod: Mapping[str, Any], *, now: datetime, source: str) -> Fau
 
 
 def force_deletion_fault(pod: Mapping[str, Any], *, now: datetime, source: str) -> Fault | None:
-    """The pod was deleted with grace 0 (`kubectl delete --force`) before it terminated; None
-    when it was not."""
+    """The pod was deleted with grace 0 (`kubectl delete --force`) while a node ran it; None
+    when it was not. A pod no node was given is deleted with grace 0 whatever was asked (the
+    API server does that itself: nothing runs it to stop gracefully), so an operator's graceful
+    delete of a Pending pod is no force deletion."""
     meta = pod.get("metadata") or {}
-    if meta.get("deletionGracePeriodSeconds") != 0 or terminated_phase(pod):
+    if meta.get("deletionGracePeriodSeconds") != 0 or terminated_phase(pod) or not pod_node(pod):
         return None
     ref = pod_ref(pod)
     return Fault(
