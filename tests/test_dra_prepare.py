@@ -355,6 +355,74 @@ def test_concurrent_prepares_of_one_claim_write_it_once(node: Node) -> None:
     assert node.cdi.writes == 1
 
 
+def test_a_device_another_claim_holds_exclusively_is_refused(node: Node) -> None:
+    first = node.api.add(resource_claim("uid-1", [result("gpu-1")], name="first"))
+    second = node.api.add(resource_claim("uid-2", [result("gpu-1")], name="second"))
+    assert prepare_one(node, first)[1] is None
+    devices, error = prepare_one(node, second)
+    assert (devices, error) == ((), "device gpu-1: held by prepared claim uid-1")
+    assert [c.uid for c in node.checkpoint.claims(DRIVER)] == ["uid-1"]
+    assert not node.cdi.path("uid-2").exists()
+    node.preparer.unprepare([first])
+    assert prepare_one(node, second)[1] is None  # free again
+
+
+def test_a_claim_naming_a_device_twice_is_refused(node: Node) -> None:
+    twice = node.api.add(resource_claim("uid-1", [result("gpu-3"), result("gpu-3")]))
+    assert prepare_one(node, twice) == ((), "device gpu-3: named twice in the claim")
+    assert node.checkpoint.claims(DRIVER) == ()
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "refused"),
+    [
+        ({"share_id": "s-1"}, {"share_id": "s-2"}, None),  # two shares of consumable capacity
+        ({"share_id": "s-1"}, {}, "device gpu-2: held by prepared claim uid-1"),
+        ({}, {"share_id": "s-2"}, "device gpu-2: held by prepared claim uid-1"),
+        ({"admin": True}, {"admin": True}, None),
+        ({"admin": True}, {}, "device gpu-2: held by prepared claim uid-1"),
+    ],
+)
+def test_a_device_is_shared_only_where_both_allocations_share_it(
+    node: Node, first: dict[str, Any], second: dict[str, Any], refused: str | None
+) -> None:
+    def entry(uid: str, how: dict[str, Any]) -> dict[str, Any]:
+        found = result("gpu-2", share_id=how.get("share_id"))
+        if how.get("admin"):
+            found["adminAccess"] = True
+        return resource_claim(uid, [found], name=uid)
+
+    assert prepare_one(node, node.api.add(entry("uid-1", first)))[1] is None
+    assert prepare_one(node, node.api.add(entry("uid-2", second)))[1] == refused
+    # What a restarted agent reads back decides the same.
+    node.preparer.unprepare([ClaimRef("uid-2", "uid-2", "uid-2")])
+    node.checkpoint = PreparedClaims(node.root / "state")
+    node.preparer = node.new_preparer()
+    assert prepare_one(node, node.api.add(entry("uid-3", second)))[1] == refused
+
+
+def test_concurrent_prepares_of_overlapping_claims_give_the_device_once(node: Node) -> None:
+    claims = [
+        node.api.add(resource_claim(f"uid-{i}", [result("gpu-1")], name=f"c{i}")) for i in range(20)
+    ]
+    start = threading.Barrier(len(claims))
+    answers: dict[str, str | None] = {}
+
+    def prepare(claim: ClaimRef) -> None:
+        start.wait()
+        answers[claim.uid] = prepare_one(node, claim)[1]
+
+    threads = [threading.Thread(target=prepare, args=(claim,)) for claim in claims]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=10)
+    winners = [uid for uid, error in answers.items() if error is None]
+    assert len(answers) == 20
+    assert len(winners) == 1
+    assert [c.uid for c in PreparedClaims(node.root / "state").claims(DRIVER)] == winners
+
+
 def test_refusals_name_the_reason_and_leave_other_claims_alone(node: Node) -> None:
     node.devices["gpu-2"] = (Vendor.NVIDIA, gpu(2, Health.UNHEALTHY))
     node.unavailable["gpu-3"] = "held by the device plugin for pod team-b/infer-0"

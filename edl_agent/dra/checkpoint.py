@@ -41,6 +41,7 @@ class PreparedDevice:
     cdi_ids: tuple[str, ...]
     share_id: str | None = None
     consumed: Mapping[str, int] = field(default_factory=dict)
+    admin_access: bool = False
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,8 @@ def _encode_device(device: PreparedDevice) -> dict[str, Any]:
         encoded["share_id"] = device.share_id
     if device.consumed:
         encoded["consumed"] = dict(device.consumed)
+    if device.admin_access:
+        encoded["admin_access"] = True
     return encoded
 
 
@@ -158,6 +161,7 @@ def _decode_device(data: Mapping[str, Any]) -> PreparedDevice:
         cdi_ids=tuple(_text(c) for c in _list(data["cdi_ids"])),
         share_id=None if share_id is None else _text(share_id),
         consumed={_text(k): _int(v) for k, v in _mapping(data.get("consumed", {})).items()},
+        admin_access=data.get("admin_access") is True,
     )
 
 

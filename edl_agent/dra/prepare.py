@@ -5,10 +5,12 @@ the checkpoint injected.
 A claim is prepared from the ResourceClaim the API server holds: its uid must be the one kubelet
 names (a claim deleted and made again under the same name is another claim), it must be
 allocated, and of its allocation only the results of this driver in this node's pool are ours.
-Every one of those devices must be on the node, healthy and available; otherwise the claim is
-refused with a reason and nothing is written. A prepared claim gets a claim CDI spec, is recorded
-in the checkpoint, and only then answered; asked again, it is answered from the checkpoint
-without reading the API server, so a repeat after a restart changes nothing.
+Every one of those devices must be on the node, healthy and available, named once, and held by
+no other prepared claim unless both allocations share it (consumable-capacity shares, admin
+access); otherwise the claim is refused with a reason and nothing is written. A prepared claim
+gets a claim CDI spec, is recorded in the checkpoint, and only then answered; asked again, it is
+answered from the checkpoint without reading the API server, so a repeat after a restart changes
+nothing.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class Grant:
     request_names: tuple[str, ...]
     consumed_capacity: Mapping[str, int] = field(default_factory=dict)
     share_id: str | None = None
+    admin_access: bool = False
 
 
 class ClaimCdi(Protocol):
@@ -166,7 +169,7 @@ class Preparer:
             recorded = self._checkpoint.get(self.driver, claim.uid)
             if recorded is not None:
                 return recorded.devices
-            grants = self._grants(results)
+            grants = self._grants(claim.uid, results)
             claim_cdi_id = self._claim_cdi.write(claim.uid, [grant for _, grant in grants])
             record = PreparedClaim(
                 uid=claim.uid,
@@ -184,6 +187,7 @@ class Preparer:
                         + ((claim_cdi_id,) if i == 0 else ()),
                         share_id=grant.share_id,
                         consumed=grant.consumed_capacity,
+                        admin_access=grant.admin_access,
                     )
                     for i, (vendor, grant) in enumerate(grants)
                 ),
@@ -219,10 +223,15 @@ class Preparer:
             raise ClaimRefused(f"the claim has no device of {self.driver} in pool {self.pool}")
         return results
 
-    def _grants(self, results: list[_Result]) -> list[tuple[Vendor, Grant]]:
+    def _grants(self, claim_uid: str, results: list[_Result]) -> list[tuple[Vendor, Grant]]:
+        """The devices `results` name, each checked: on the node, healthy, available, and not
+        held by another prepared claim unless both may share it (caller holds the lock, so the
+        checkpoint read here is the one the claim is recorded against)."""
         present = self._devices()
+        held = self._held_by_others(claim_uid)
         grants: list[tuple[Vendor, Grant]] = []
         problems: list[str] = []
+        taken: dict[str, list[_Result]] = {}
         for result in results:
             entry = present.get(result.device)
             if entry is None:
@@ -230,6 +239,8 @@ class Preparer:
                 continue
             vendor, device = entry
             reason = "unhealthy" if device.health is Health.UNHEALTHY else None
+            reason = reason or _overlap(result, held.get(result.device, ()), taken)
+            taken.setdefault(result.device, []).append(result)
             reason = reason or self._is_available(result.device)
             if reason is not None:
                 problems.append(f"device {result.device}: {reason}")
@@ -240,11 +251,40 @@ class Preparer:
                 request_names=(result.request,),
                 consumed_capacity=result.consumed,
                 share_id=result.share_id,
+                admin_access=result.admin_access,
             )
             grants.append((vendor, grant))
         if problems:
             raise ClaimRefused("; ".join(problems))
         return grants
+
+    def _held_by_others(self, claim_uid: str) -> dict[str, list[tuple[str, PreparedDevice]]]:
+        """Device name → (claim uid, device) of every other prepared claim holding it."""
+        holders: dict[str, list[tuple[str, PreparedDevice]]] = {}
+        for claim in self._checkpoint.claims(self.driver):
+            if claim.uid != claim_uid:
+                for device in claim.devices:
+                    holders.setdefault(device.device, []).append((claim.uid, device))
+        return holders
+
+
+def _overlap(
+    result: _Result,
+    holders: Iterable[tuple[str, PreparedDevice]],
+    taken: Mapping[str, list[_Result]],
+) -> str | None:
+    """Why `result` cannot have its device beside what already holds it, or None. A device is
+    shared only where every allocation of it allows that: a share of consumable capacity (its
+    own share id) or admin access; anything else holds it exclusively."""
+    shared = result.share_id is not None or result.admin_access
+    for uid, device in holders:
+        if not (shared and (device.share_id is not None or device.admin_access)):
+            return f"held by prepared claim {uid}"
+    for earlier in taken.get(result.device, ()):
+        distinct = result.share_id is not None and earlier.share_id not in (None, result.share_id)
+        if not (distinct or (result.admin_access and earlier.admin_access)):
+            return "named twice in the claim"
+    return None
 
 
 @dataclass(frozen=True)
@@ -255,6 +295,7 @@ class _Result:
     device: str
     share_id: str | None
     consumed: Mapping[str, int]
+    admin_access: bool = False
 
     @classmethod
     def parse(cls, result: Mapping[str, Any]) -> _Result:
@@ -264,6 +305,7 @@ class _Result:
             device=_text(result["device"]),
             share_id=None if share_id is None else _text(share_id),
             consumed=consumed_capacity(result.get("consumedCapacity") or {}),
+            admin_access=result.get("adminAccess") is True,
         )
 
 
