@@ -367,6 +367,23 @@ def test_a_device_another_claim_holds_exclusively_is_refused(node: Node) -> None
     assert prepare_one(node, second)[1] is None  # free again
 
 
+def test_a_claim_kubelet_names_without_namespace_name_or_uid_is_refused_quietly(
+    node: Node,
+) -> None:
+    empty = ClaimRef(namespace="", name="", uid="")
+    with capture_logs() as logs:
+        assert prepare_one(node, empty) == (
+            (),
+            "kubelet named a claim without its namespace, name, uid",
+        )
+        assert node.preparer.unprepare([ClaimRef("team-a", "", "uid-9")]) == {
+            "uid-9": "kubelet named a claim without its name"
+        }
+    assert node.api.reads == 0
+    assert {entry["log_level"] for entry in logs} == {"warning"}
+    assert not any("exc_info" in entry for entry in logs)
+
+
 def test_a_claim_naming_a_device_twice_is_refused(node: Node) -> None:
     twice = node.api.add(resource_claim("uid-1", [result("gpu-3"), result("gpu-3")]))
     assert prepare_one(node, twice) == ((), "device gpu-3: named twice in the claim")

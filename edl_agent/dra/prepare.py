@@ -116,6 +116,7 @@ class Preparer:
         results: dict[str, PrepareResult] = {}
         for claim in claims:
             try:
+                _check_named(claim)
                 results[claim.uid] = PrepareResult(devices=self._prepare_one(claim))
             except ClaimRefused as exc:
                 self._log.warning("claim refused", **_fields(claim), reason=str(exc))
@@ -130,6 +131,12 @@ class Preparer:
         prepared here), else the error."""
         results: dict[str, str | None] = {}
         for claim in claims:
+            try:
+                _check_named(claim)
+            except ClaimRefused as exc:
+                self._log.warning("claim not unprepared", **_fields(claim), reason=str(exc))
+                results[claim.uid] = str(exc)
+                continue
             try:
                 with self._lock:
                     self._claim_cdi.remove(claim.uid)
@@ -266,6 +273,12 @@ class Preparer:
                 for device in claim.devices:
                     holders.setdefault(device.device, []).append((claim.uid, device))
         return holders
+
+
+def _check_named(claim: ClaimRef) -> None:
+    missing = [what for what in ("namespace", "name", "uid") if not getattr(claim, what)]
+    if missing:
+        raise ClaimRefused(f"kubelet named a claim without its {', '.join(missing)}")
 
 
 def _overlap(
