@@ -6,7 +6,6 @@ import argparse
 import contextlib
 import json
 import os
-import signal
 import sys
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
@@ -375,6 +374,7 @@ def _discover(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from edl_agent.preflight import check_run_paths
+    from edl_agent.runtime.signals import stop_on_signals
 
     with node_settings(args) as settings:
         check_run_paths(settings)
@@ -383,19 +383,18 @@ def _run(args: argparse.Namespace) -> int:
         from edl_agent.agent import Agent
 
         agent = Agent(settings)
-        stop = agent.stop
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, lambda *_: stop.set())
-        # Kubelet first: the devices are schedulable before the Kubernetes client, the metrics
-        # and the fault reporting are even loaded. A later start-up error takes them away again.
-        agent.serve_kubelet()
-        try:
-            print(render_table(agent.state.snapshot().inventory), flush=True)
-            _start_the_rest(agent, settings, simulated=args.simulate is not None)
-        except BaseException:
-            agent.close()
-            raise
-        agent.run()
+        with stop_on_signals(agent.stop.set):
+            # Kubelet first: the devices are schedulable before the Kubernetes client, the
+            # metrics and the fault reporting are even loaded. A later start-up error takes them
+            # away again.
+            agent.serve_kubelet()
+            try:
+                print(render_table(agent.state.snapshot().inventory), flush=True)
+                _start_the_rest(agent, settings, simulated=args.simulate is not None)
+            except BaseException:
+                agent.close()
+                raise
+            agent.run()
     return 0
 
 
