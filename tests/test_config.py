@@ -6,14 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from edl_agent.config import (
-    ConfigError,
-    describe_settings,
-    env_layer,
-    load_settings,
-    set_path,
-)
-from edl_agent.config import assignment as assign
+from edl_agent.config import Settings, load_settings
+from edl_agent.settings_loader import ConfigError, describe_settings, env_layer, set_path
+from edl_agent.settings_loader import assignment as _assignment
+
+
+def assign(text: str) -> tuple[list[str], object]:
+    return _assignment(text, Settings)
 
 
 def test_defaults() -> None:
@@ -40,7 +39,8 @@ def test_layers_file_then_env_then_flags(tmp_path: Path) -> None:
 
 
 def test_env_values_are_typed() -> None:
-    layer = env_layer({"EDL_KUNLUNXIN__ENABLED": "false", "EDL_NODE_NAME": "007", "PATH": "/bin"})
+    environ = {"EDL_KUNLUNXIN__ENABLED": "false", "EDL_NODE_NAME": "007", "PATH": "/bin"}
+    layer = env_layer(environ, Settings)
     assert layer == {"kunlunxin": {"enabled": False}, "node_name": "007"}
 
 
@@ -100,7 +100,7 @@ def test_the_source_named_is_the_layer_that_set_the_key(tmp_path: Path) -> None:
 
 
 def test_every_setting_is_described() -> None:
-    rows = describe_settings()
+    rows = describe_settings(Settings)
     keys = {key for key, _, _ in rows}
     assert {"host_root", "nvidia.mig_strategy", "ascend.vnpu_templates", "sharing"} <= keys
     documented = {key: meaning for key, _, meaning in rows}

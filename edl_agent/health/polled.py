@@ -28,12 +28,12 @@ from edl_agent.config import HealthSettings
 from edl_agent.devices import ascend, hygon, kunlunxin
 from edl_agent.devices.hostroot import HostRoot, ToolError
 from edl_agent.devices.model import Device, Vendor
+from edl_agent.fault_codes import format_ascend_code
 from edl_agent.health.classify import (
     ASCEND_CODE_TYPES,
     classify_device_state,
     classify_ecc_dbe,
     classify_npu_fault,
-    format_ascend_code,
     most_severe,
 )
 from edl_agent.health.model import DeviceTelemetry, HealthEvent, Level
