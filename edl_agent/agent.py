@@ -38,7 +38,7 @@ from edl_agent.devices.carry import carry_forward
 from edl_agent.devices.discovery import discover_node
 from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.model import Vendor
-from edl_agent.dra.names import claimable
+from edl_agent.devices.names import claimable
 from edl_agent.health.classify import classify_xid, what_clears
 from edl_agent.health.model import (
     ClearsBy,

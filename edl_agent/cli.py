@@ -411,10 +411,13 @@ def _check_credentials(settings: Settings, *, simulated: bool) -> None:
 def _start_the_rest(agent: Agent, settings: Settings, *, simulated: bool) -> None:
     """Fault reporting, metrics, the node publisher and DRA; UsageError for unusable settings."""
     from edl_agent.faults.outbox import OutboxError
-    from edl_agent.kube import KubeConfigError, connect
+    from edl_agent.kube import KubeConfigError
+    from edl_agent.kube_rest import connect
 
+    node = settings.node
+    timeout = (node.api_connect_timeout_seconds, node.api_read_timeout_seconds)
     try:
-        api = connect(settings.node.kubeconfig, ambient=not simulated)
+        api = connect(node.kubeconfig, ambient=not simulated, timeout=timeout)
     except KubeConfigError as exc:
         raise UsageError(str(exc)) from None
     try:  # kubelet's other API first: claims can be prepared once slices and plugin are there

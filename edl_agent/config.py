@@ -201,8 +201,19 @@ class NodeSettings:
         "An event with the same type, reason and message within this window bumps the count "
         "of the first one instead of creating another.",
     )
+    api_connect_timeout_seconds: float = setting(
+        5.0, "How long the agent's API client waits to connect to the API server."
+    )
+    api_read_timeout_seconds: float = setting(
+        30.0,
+        "How long the agent's API client waits for an answer to a request (a watch waits for "
+        "its own timeout and 30 s more).",
+    )
 
     def check(self) -> None:
+        for key in ("api_connect_timeout_seconds", "api_read_timeout_seconds"):
+            if not 0 < getattr(self, key) <= 600:
+                raise ValueError(f"{key}: must be positive and at most 600")
         if not 10 <= self.resync_seconds <= 86400:
             raise ValueError("resync_seconds: must be between 10 and 86400")
         if not 0 < self.events_per_minute <= 60000:

@@ -19,8 +19,8 @@ from edl_agent.cli import main
 from edl_agent.config import load_settings
 from edl_agent.errors import UsageError
 from edl_agent.restarter import cli
-from edl_agent.restarter.actuator import replacement_pod
 from edl_agent.restarter.process import Restarter
+from edl_agent.restarter.replacement import replacement_pod
 from edl_agent.restarter.settings import (
     DEFAULT_DROP_LABELS,
     RestarterSettings,

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from edl_agent.config import PluginSettings
+from edl_agent.devices import names
 from edl_agent.devices.model import Device, ResourceUnit, UnitKind, Vendor
-from edl_agent.dra import names
 from edl_agent.plugin.allocation import (
     DeviceNode,
     host_order,

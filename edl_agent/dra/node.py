@@ -32,9 +32,9 @@ import structlog
 from edl_agent.cdi import CdiWriter, claim_cdi_id, claim_spec, vendor_spec
 from edl_agent.cdi import Grant as CdiGrant
 from edl_agent.config import Settings
+from edl_agent.devices import names
 from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.model import Device, Health, Inventory, Vendor
-from edl_agent.dra import names
 from edl_agent.dra.api import DraApi
 from edl_agent.dra.checkpoint import PreparedClaims
 from edl_agent.dra.kubelet_plugin import DeviceHealthMap, DraPluginServer, socket_path

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from edl_agent.config import PluginSettings
+from edl_agent.devices import names as dra_names
 from edl_agent.devices.model import Device, ResourceUnit, UnitKind, Vendor
-from edl_agent.dra import names as dra_names
 
 ALLOCATED_ANNOTATION = "edl.io/allocated-devices"
 
