@@ -323,16 +323,7 @@ class Agent:
         if settings.restarter_address:
             outbox = Outbox(Path(settings.state_dir) / "outbox")
             try:
-                sender = Sender(
-                    outbox,
-                    SenderSettings(
-                        address=settings.restarter_address,
-                        token_file=Path(settings.token_file),
-                        ca_file=Path(settings.ca_file) if settings.ca_file else None,
-                        server_name=settings.server_name,
-                        insecure=settings.insecure,
-                    ),
-                )
+                sender = Sender(outbox, SenderSettings.from_settings(settings))
             except ValueError:
                 outbox.close()
                 raise

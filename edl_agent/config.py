@@ -150,12 +150,22 @@ class HealthSettings:
     nvml_retry_seconds: float = setting(
         5.0, "Wait before trying again when NVML cannot be initialised or its event loop breaks."
     )
+    tool_timeout_seconds: float = setting(
+        5.0,
+        "How long one run of a vendor tool (`npu-smi`, `hy-smi`, `xpu-smi`) in a health poll may "
+        "take: a hung tool must not stall the poll for long; a healthy one answers well within it.",
+    )
     remediation: RemediationSettings = section(
         RemediationSettings, "Resets of idle quarantined devices by the agent (opt-in)."
     )
 
     def check(self) -> None:
-        bounds = {"quiet_seconds": 30 * 86400, "poll_seconds": 3600, "nvml_retry_seconds": 3600}
+        bounds = {
+            "quiet_seconds": 30 * 86400,
+            "poll_seconds": 3600,
+            "nvml_retry_seconds": 3600,
+            "tool_timeout_seconds": 600,
+        }
         for key, most in bounds.items():
             if not 0 < getattr(self, key) <= most:
                 raise ValueError(f"{key}: must be positive and at most {most}")
@@ -257,8 +267,26 @@ class FaultSettings:
         "Allow plaintext to a non-loopback restarter (the token then crosses the network in "
         "clear).",
     )
+    batch_size: int = setting(100, "Faults sent to the restarter in one call, at most.")
+    call_timeout_seconds: float = setting(10.0, "How long one call to the restarter may take.")
+    backoff_initial_seconds: float = setting(
+        0.5, "Wait before the first retry after a failed call; it doubles with every failure."
+    )
+    backoff_max_seconds: float = setting(30.0, "The longest wait between retries.")
+    retry_later_seconds: float = setting(
+        1.0, "Wait before faults the restarter asked to be sent again later go again."
+    )
 
     def check(self) -> None:
+        if not 1 <= self.batch_size <= 10000:
+            raise ValueError("batch_size: must be between 1 and 10000")
+        for key in ("call_timeout_seconds", "backoff_initial_seconds", "retry_later_seconds"):
+            if not 0 < getattr(self, key) <= 3600:
+                raise ValueError(f"{key}: must be positive and at most 3600")
+        if not self.backoff_initial_seconds <= self.backoff_max_seconds <= 86400:
+            raise ValueError(
+                "backoff_max_seconds: must be at least backoff_initial_seconds and at most 86400"
+            )
         if not self.restarter_address:
             return
         try:

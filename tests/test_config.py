@@ -213,3 +213,36 @@ def test_a_utf8_byte_order_mark_is_fine(tmp_path: Path) -> None:
     path = tmp_path / "edl.yaml"
     path.write_bytes(b"\xef\xbb\xbflog_level: debug\n")
     assert load_settings(file=str(path)).log_level == "debug"
+
+
+def test_the_fault_senders_tunables_are_settings() -> None:
+    from edl_agent.faults.sender import SenderSettings
+
+    settings = load_settings(
+        environ={"EDL_FAULTS__CALL_TIMEOUT_SECONDS": "3"},
+        overrides={"faults": {"retry_later_seconds": 0.25, "backoff_max_seconds": 5}},
+    )
+    sender = SenderSettings.from_settings(settings.faults)
+    got = (sender.call_timeout, sender.retry_later, sender.backoff_max, sender.backoff_initial)
+    assert got == (3.0, 0.25, 5.0, 0.5)
+    assert sender.batch_size == 100
+    with pytest.raises(ConfigError, match=r"faults\.backoff_max_seconds: must be at least"):
+        load_settings(
+            overrides={"faults": {"backoff_initial_seconds": 2, "backoff_max_seconds": 1}}
+        )
+
+
+def test_timeouts_are_settings() -> None:
+    settings = load_settings(
+        environ={
+            "EDL_HEALTH__TOOL_TIMEOUT_SECONDS": "0.5",
+            "EDL_NODE__API_READ_TIMEOUT_SECONDS": "2",
+        }
+    )
+    assert settings.health.tool_timeout_seconds == 0.5
+    assert (settings.node.api_connect_timeout_seconds, settings.node.api_read_timeout_seconds) == (
+        5.0,
+        2.0,
+    )
+    with pytest.raises(ConfigError, match=r"health\.tool_timeout_seconds: must be positive"):
+        load_settings(overrides={"health": {"tool_timeout_seconds": 0}})
