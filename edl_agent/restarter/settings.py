@@ -1,4 +1,4 @@
-"""The restarter's settings: typed and layered the way the agent's are (`edl_agent.config`).
+"""The restarter's settings: typed and layered by `edl_agent.settings_loader`, as the agent's are.
 
 Lowest first: the defaults below, the pod's own downward-API variables (`POD_NAMESPACE`,
 `POD_NAME`), a YAML file (`--config`), `EDL_RESTARTER_*` environment variables
