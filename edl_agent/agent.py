@@ -38,7 +38,7 @@ from edl_agent.devices.carry import carry_forward
 from edl_agent.devices.discovery import discover_node
 from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.model import Vendor
-from edl_agent.dra.names import claimable
+from edl_agent.devices.names import claimable
 from edl_agent.health.classify import classify_xid, what_clears
 from edl_agent.health.model import (
     ClearsBy,
@@ -323,16 +323,7 @@ class Agent:
         if settings.restarter_address:
             outbox = Outbox(Path(settings.state_dir) / "outbox")
             try:
-                sender = Sender(
-                    outbox,
-                    SenderSettings(
-                        address=settings.restarter_address,
-                        token_file=Path(settings.token_file),
-                        ca_file=Path(settings.ca_file) if settings.ca_file else None,
-                        server_name=settings.server_name,
-                        insecure=settings.insecure,
-                    ),
-                )
+                sender = Sender(outbox, SenderSettings.from_settings(settings))
             except ValueError:
                 outbox.close()
                 raise

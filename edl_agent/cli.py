@@ -15,19 +15,12 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import structlog
 
 from edl_agent import __version__, log
-from edl_agent.config import (
-    ConfigError,
-    DraSettings,
-    Settings,
-    assignment,
-    describe_settings,
-    load_settings,
-    set_path,
-)
+from edl_agent.config import DraSettings, Settings, load_settings
 from edl_agent.devices.model import Inventory
 from edl_agent.errors import UsageError
 from edl_agent.preflight import check_host_root
 from edl_agent.restarter import cli as restarter_cli
+from edl_agent.settings_loader import ConfigError, assignment, describe_settings, set_path
 from edl_agent.sim import inject_cli
 
 if TYPE_CHECKING:
@@ -262,7 +255,7 @@ def settings_from_args(
     """Settings from --config, the environment and flags; `host_root` (a simulated tree) wins."""
     overrides: dict[str, Any] = {}
     for text in args.assignments:
-        path, value = assignment(text)
+        path, value = assignment(text, Settings)
         set_path(overrides, path, value)
     for flag in ("host_root", "node_name", "log_level", "log_format", "metrics_addr"):
         value = getattr(args, flag, None)
@@ -417,10 +410,13 @@ def _check_credentials(settings: Settings, *, simulated: bool) -> None:
 def _start_the_rest(agent: Agent, settings: Settings, *, simulated: bool) -> None:
     """Fault reporting, metrics, the node publisher and DRA; UsageError for unusable settings."""
     from edl_agent.faults.outbox import OutboxError
-    from edl_agent.kube import KubeConfigError, connect
+    from edl_agent.kube import KubeConfigError
+    from edl_agent.kube_rest import connect
 
+    node = settings.node
+    timeout = (node.api_connect_timeout_seconds, node.api_read_timeout_seconds)
     try:
-        api = connect(settings.node.kubeconfig, ambient=not simulated)
+        api = connect(node.kubeconfig, ambient=not simulated, timeout=timeout)
     except KubeConfigError as exc:
         raise UsageError(str(exc)) from None
     try:  # kubelet's other API first: claims can be prepared once slices and plugin are there
@@ -443,7 +439,7 @@ def _start_the_rest(agent: Agent, settings: Settings, *, simulated: bool) -> Non
 
 def _config(args: argparse.Namespace) -> int:
     if args.keys:
-        for key, default, meaning in describe_settings():
+        for key, default, meaning in describe_settings(Settings):
             print(f"{key:32} {default:24} {meaning}")
         return 0
     from dataclasses import asdict

@@ -7,7 +7,7 @@ Where the credentials come from, first match wins:
    kubectl does);
 3. the pod's service account, when running in a cluster (`KUBERNETES_SERVICE_HOST` and the
    mounted token; the token is re-read as kubelet rotates it);
-4. nothing: `connect()` returns None and the agent only logs what it would write.
+4. nothing: `kube_rest.connect()` returns None and the agent only logs what it would write.
 A kubeconfig that is named but missing or broken is an error, never a silent fallback to the
 next source. With `ambient=False` (the agent under --simulate) only 1 is used: a simulated node
 must not label a real cluster's node because a shell or a pod happened to hold credentials.
@@ -15,9 +15,10 @@ must not label a real cluster's node because a shell or a pod happened to hold c
 
 Objects go in and come out as plain JSON dicts; API errors become `ApiError` with the HTTP status.
 
-The node agent's client (`connect`, the `NodeApi` calls) is our own `kube_rest` wherever it
-serves the credentials; the kubernetes package (`api_client`, `KubeApi`, the restarter's client)
-is imported only when it is used: it takes about half a second and 35 MiB to load.
+The node agent's client (`kube_rest.connect`, the `NodeApi` calls) is our own `kube_rest`
+wherever it serves the credentials; the kubernetes package (`api_client`, `KubeApi`, the
+restarter's client) is imported only when it is used: it takes about half a second and 35 MiB to
+load.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from edl_agent.kube_errors import ApiError as ApiError  # noqa: PLC0414 - callers import it from here
 from edl_agent.kubeconfig_check import kubeconfig_problem, read_documents
 
 if TYPE_CHECKING:
@@ -55,14 +57,6 @@ class Closable(Protocol):
 
 class KubeConfigError(Exception):
     """The configured credentials cannot be used; the message says why."""
-
-
-class ApiError(Exception):
-    """An API call failed; `status` is the HTTP status (None when no answer came)."""
-
-    def __init__(self, status: int | None, message: str) -> None:
-        super().__init__(f"HTTP {status}: {message}" if status else message)
-        self.status = status
 
 
 def kubeconfig_to_use(
@@ -96,12 +90,12 @@ def api_client(
         chosen is None
         and ambient
         and bool(env.get(SERVICE_HOST_ENV_NAME))
-        and _is_file(Path(token_file))
+        and is_file(Path(token_file))
     )
     if chosen is None and not in_cluster:
         return None
     if chosen is not None:
-        _check_exists(*chosen, explicit=bool(kubeconfig))
+        check_exists(*chosen, explicit=bool(kubeconfig))
     from kubernetes import client
     from kubernetes import config as kube_config
     from kubernetes.config.incluster_config import InClusterConfigLoader
@@ -134,8 +128,8 @@ def check_credentials(
     if chosen is None:
         return
     path, said = chosen
-    _check_exists(path, said, explicit=bool(kubeconfig))
-    files = _kubeconfig_files(path, explicit=bool(kubeconfig))
+    check_exists(path, said, explicit=bool(kubeconfig))
+    files = kubeconfig_files(path, explicit=bool(kubeconfig))
     try:
         problem = kubeconfig_problem(read_documents([Path(f).expanduser() for f in files]))
     except ValueError as exc:
@@ -145,15 +139,15 @@ def check_credentials(
         raise KubeConfigError(msg)
 
 
-def _kubeconfig_files(path: str, *, explicit: bool) -> list[str]:
+def kubeconfig_files(path: str, *, explicit: bool) -> list[str]:
     """An explicit kubeconfig is one file; $KUBECONFIG may list several, as for kubectl."""
     return [path] if explicit else [p for p in path.split(os.pathsep) if p.strip()]
 
 
-def _check_exists(path: str, name: str, *, explicit: bool) -> None:
+def check_exists(path: str, name: str, *, explicit: bool) -> None:
     """KubeConfigError unless the kubeconfig (one of $KUBECONFIG's files) is a file."""
-    files = _kubeconfig_files(path, explicit=explicit)
-    if not any(_is_file(Path(f).expanduser()) for f in files):
+    files = kubeconfig_files(path, explicit=explicit)
+    if not any(is_file(Path(f).expanduser()) for f in files):
         if len(files) > 1:
             msg = f"{name}: none of {path} exists"
         elif _exists(Path(path)):
@@ -189,7 +183,7 @@ def _from_kubeconfig(
     return api
 
 
-def _is_file(path: Path) -> bool:
+def is_file(path: Path) -> bool:
     try:
         return path.is_file()
     except OSError:  # a directory on the way we may not search
@@ -254,42 +248,6 @@ class NodeApi(Protocol):
         timeout_seconds: int,
         opened: Callable[[Closable], None] | None = None,
     ) -> Iterator[tuple[str, dict[str, Any]]]: ...
-
-
-def connect(
-    kubeconfig: str,
-    *,
-    environ: Mapping[str, str] | None = None,
-    ambient: bool = True,
-    token_file: str = SERVICE_TOKEN_FILENAME,
-    ca_file: str = SERVICE_CERT_FILENAME,
-) -> NodeApi | None:
-    """The node agent's API client, from the same credentials as `api_client`: our own thin
-    client (kube_rest) where it serves them, else the kubernetes package's (exec and
-    auth-provider users, proxies). None: no credentials."""
-    from edl_agent.kube_rest import rest_client
-
-    env = os.environ if environ is None else environ
-    chosen = kubeconfig_to_use(kubeconfig, name="node.kubeconfig", environ=env, ambient=ambient)
-    if chosen is not None:
-        path, name = chosen
-        _check_exists(path, name, explicit=bool(kubeconfig))
-        files = _kubeconfig_files(path, explicit=bool(kubeconfig))
-        try:
-            rest = rest_client([Path(f).expanduser() for f in files], environ=env)
-        except KubeConfigError as exc:
-            msg = f"{name}: cannot use {path}: {exc}"
-            raise KubeConfigError(msg) from None
-    elif ambient and env.get(SERVICE_HOST_ENV_NAME) and _is_file(Path(token_file)):
-        rest = rest_client(None, environ=env, token_file=token_file, ca_file=ca_file)
-    else:
-        return None
-    if rest is not None:
-        return rest
-    api = api_client(
-        kubeconfig, environ=env, ambient=ambient, token_file=token_file, ca_file=ca_file
-    )
-    return None if api is None else KubeApi(api)
 
 
 class KubeApi:

@@ -37,11 +37,19 @@ from edl_agent.kube import (
     MERGE_PATCH,
     REQUEST_TIMEOUT,
     SERVICE_CERT_FILENAME,
+    SERVICE_HOST_ENV_NAME,
     SERVICE_TOKEN_FILENAME,
     STRATEGIC_MERGE_PATCH,
     ApiError,
     Closable,
+    KubeApi,
     KubeConfigError,
+    NodeApi,
+    api_client,
+    check_exists,
+    is_file,
+    kubeconfig_files,
+    kubeconfig_to_use,
 )
 from edl_agent.kubeconfig_check import kubeconfig_problem, named_entry, read_documents
 
@@ -264,7 +272,14 @@ class _Stream:
 class RestKubeApi:
     """`kube.KubeApi`'s calls, made directly on one connection pool."""
 
-    def __init__(self, credentials: Credentials, *, connections: int = 4) -> None:
+    def __init__(
+        self,
+        credentials: Credentials,
+        *,
+        connections: int = 4,
+        timeout: tuple[float, float] = REQUEST_TIMEOUT,
+    ) -> None:
+        self._timeout = timeout  # (connect, read) seconds: `node.api_*_timeout_seconds`
         parts = urlsplit(credentials.server)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             msg = f"server {credentials.server!r} is not an http(s) URL"
@@ -429,7 +444,7 @@ class RestKubeApi:
         """The response to a request; ApiError for an error status or none at all. A 401 with
         a token file re-reads the file and, when the token changed, tries once more."""
         url = self._prefix + path + (f"?{urlencode(query)}" if query else "")
-        connect, read = REQUEST_TIMEOUT
+        connect, read = self._timeout
         timeout = urllib3.Timeout(
             connect=connect, read=read if read_timeout is None else read_timeout
         )
@@ -510,6 +525,7 @@ def rest_client(
     token_file: str = SERVICE_TOKEN_FILENAME,
     ca_file: str = SERVICE_CERT_FILENAME,
     connections: int = 4,
+    timeout: tuple[float, float] = REQUEST_TIMEOUT,
 ) -> RestKubeApi | None:
     """A client from these kubeconfig files (merged in order), or with None from the in-cluster
     service account. None: only the kubernetes package can serve these credentials (see the
@@ -527,7 +543,7 @@ def rest_client(
         credentials = Credentials.from_kubeconfig(documents)
     if credentials is None or _proxied(credentials.server, environ):
         return None
-    return RestKubeApi(credentials, connections=connections)
+    return RestKubeApi(credentials, connections=connections, timeout=timeout)
 
 
 def _proxied(server: str, environ: Mapping[str, str]) -> bool:
@@ -552,3 +568,41 @@ def _in_network(host: str, rule: str) -> bool:
         return ipaddress.ip_address(host) in ipaddress.ip_network(rule, strict=False)
     except ValueError:
         return False
+
+
+def connect(
+    kubeconfig: str,
+    *,
+    environ: Mapping[str, str] | None = None,
+    ambient: bool = True,
+    token_file: str = SERVICE_TOKEN_FILENAME,
+    ca_file: str = SERVICE_CERT_FILENAME,
+    timeout: tuple[float, float] = REQUEST_TIMEOUT,
+) -> NodeApi | None:
+    """The node agent's API client, from the same credentials as `api_client`: our own thin
+    client where it serves them, else the kubernetes package's (exec and auth-provider users,
+    proxies). None: no credentials. `timeout`: (connect, read) seconds of our own client's
+    requests."""
+    env = os.environ if environ is None else environ
+    chosen = kubeconfig_to_use(kubeconfig, name="node.kubeconfig", environ=env, ambient=ambient)
+    if chosen is not None:
+        path, name = chosen
+        check_exists(path, name, explicit=bool(kubeconfig))
+        files = kubeconfig_files(path, explicit=bool(kubeconfig))
+        try:
+            rest = rest_client([Path(f).expanduser() for f in files], environ=env, timeout=timeout)
+        except KubeConfigError as exc:
+            msg = f"{name}: cannot use {path}: {exc}"
+            raise KubeConfigError(msg) from None
+    elif ambient and env.get(SERVICE_HOST_ENV_NAME) and is_file(Path(token_file)):
+        rest = rest_client(
+            None, environ=env, token_file=token_file, ca_file=ca_file, timeout=timeout
+        )
+    else:
+        return None
+    if rest is not None:
+        return rest
+    api = api_client(
+        kubeconfig, environ=env, ambient=ambient, token_file=token_file, ca_file=ca_file
+    )
+    return None if api is None else KubeApi(api)

@@ -16,11 +16,12 @@ import pytest
 
 from edl_agent.agent import Agent
 from edl_agent.cli import build_parser, settings_from_args
-from edl_agent.config import ConfigError, load_settings
+from edl_agent.config import load_settings
 from edl_agent.faults.ids import container_exit_id, device_unhealthy_id
 from edl_agent.faults.model import FaultKind, PodRef
 from edl_agent.faults.outbox import Outbox
 from edl_agent.faults.pod_exits import PodExitWatcher, container_exits
+from edl_agent.settings_loader import ConfigError
 from edl_agent.sim.inject import inject_xid
 from edl_agent.sim.profile import load_profile
 from edl_agent.sim.tree import build_tree

@@ -11,19 +11,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from edl_agent.config import PluginSettings, load_settings
+from edl_agent.devices.container import (
+    VENDOR_SPECS,
+    AllocationError,
+    DeviceNode,
+    optional_control_nodes,
+)
 from edl_agent.devices.discovery import discover_node
 from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.model import Device, Inventory, ResourceUnit, UnitKind, Vendor
 from edl_agent.devices.resources import advertised_resources
-from edl_agent.plugin.allocation import (
-    ALLOCATED_ANNOTATION,
-    VENDOR_SPECS,
-    AllocationError,
-    ContainerAllocation,
-    DeviceNode,
-    allocate,
-    optional_control_nodes,
-)
+from edl_agent.plugin.allocation import ALLOCATED_ANNOTATION, ContainerAllocation, allocate
 from edl_agent.sim.profile import load_profile
 from edl_agent.sim.tree import build_tree
 

@@ -28,11 +28,12 @@ from edl_agent.cdi import (
 )
 from edl_agent.cdi.spec import CLAIM_UID_ENV
 from edl_agent.config import PluginSettings, load_settings
+from edl_agent.devices import names
+from edl_agent.devices.container import VENDOR_SPECS, optional_control_nodes
 from edl_agent.devices.discovery import discover_node
 from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.model import Device, Inventory, ResourceUnit, UnitKind, Vendor
-from edl_agent.dra import names
-from edl_agent.plugin.allocation import VENDOR_SPECS, allocate, optional_control_nodes
+from edl_agent.plugin.allocation import allocate
 from edl_agent.sim.profile import load_profile, profile_names
 from edl_agent.sim.tree import build_tree
 

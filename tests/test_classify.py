@@ -5,25 +5,23 @@ from __future__ import annotations
 import pytest
 
 from edl_agent.config import HealthSettings, load_settings
+from edl_agent.fault_codes import format_ascend_code, parse_ascend_code
 from edl_agent.health.classify import (
     ASCEND_CODE_TYPES,
     ASCEND_FAULT_TYPE_LEVELS,
     XID_LEVELS,
     AscendFaultType,
     ascend_code_level,
-    check_ascend_overrides,
-    check_xid_overrides,
     classify_device_state,
     classify_ecc_dbe,
     classify_npu_fault,
     classify_npu_health,
     classify_row_remap_failure,
     classify_xid,
-    format_ascend_code,
     most_severe,
-    parse_ascend_code,
 )
 from edl_agent.health.model import Level
+from edl_agent.settings_loader import ConfigError
 
 # --- NVIDIA XIDs ---------------------------------------------------------------------------------
 
@@ -74,14 +72,14 @@ def test_xid_overrides_from_settings() -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"x31": "warn"}, "'x31' is not an XID number"),
-        ({"31": "fatal"}, "'fatal' is not one of ignore, warn, device_fatal, node_fatal"),
+        ({"x31": "warn"}, "health.xid_levels: 'x31' is not an XID number"),
+        ({"31": "fatal"}, r"health.xid_levels.31: expected one of ignore, warn, device_fatal"),
     ],
 )
 def test_xid_override_check(overrides: dict[str, str], message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        check_xid_overrides(overrides)
-    check_xid_overrides({"31": "warn", " 94 ": "ignore"})
+    with pytest.raises(ConfigError, match=message):
+        load_settings(overrides={"health": {"xid_levels": overrides}})
+    load_settings(overrides={"health": {"xid_levels": {"31": "warn", " 94 ": "ignore"}}})
 
 
 def test_memory_faults_make_the_device_fatal() -> None:
@@ -152,14 +150,14 @@ def test_ascend_overrides_take_any_spelling() -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"0x8": "sure"}, "'sure' is not one of"),
+        ({"0x8": "sure"}, "expected one of ignore, warn"),
         ({"80E0180G": "warn"}, "health.ascend_code_levels: '80E0180G' is not an Ascend fault"),
     ],
 )
 def test_ascend_override_check(overrides: dict[str, str], message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        check_ascend_overrides(overrides)
-    check_ascend_overrides({"0x80E01801": "node_fatal"})
+    with pytest.raises(ConfigError, match=message):
+        load_settings(overrides={"health": {"ascend_code_levels": overrides}})
+    load_settings(overrides={"health": {"ascend_code_levels": {"0x80E01801": "node_fatal"}}})
 
 
 @pytest.mark.parametrize(

@@ -6,14 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from edl_agent.config import (
-    ConfigError,
-    describe_settings,
-    env_layer,
-    load_settings,
-    set_path,
-)
-from edl_agent.config import assignment as assign
+from edl_agent.config import Settings, load_settings
+from edl_agent.settings_loader import ConfigError, describe_settings, env_layer, set_path
+from edl_agent.settings_loader import assignment as _assignment
+
+
+def assign(text: str) -> tuple[list[str], object]:
+    return _assignment(text, Settings)
 
 
 def test_defaults() -> None:
@@ -40,7 +39,8 @@ def test_layers_file_then_env_then_flags(tmp_path: Path) -> None:
 
 
 def test_env_values_are_typed() -> None:
-    layer = env_layer({"EDL_KUNLUNXIN__ENABLED": "false", "EDL_NODE_NAME": "007", "PATH": "/bin"})
+    environ = {"EDL_KUNLUNXIN__ENABLED": "false", "EDL_NODE_NAME": "007", "PATH": "/bin"}
+    layer = env_layer(environ, Settings)
     assert layer == {"kunlunxin": {"enabled": False}, "node_name": "007"}
 
 
@@ -100,7 +100,7 @@ def test_the_source_named_is_the_layer_that_set_the_key(tmp_path: Path) -> None:
 
 
 def test_every_setting_is_described() -> None:
-    rows = describe_settings()
+    rows = describe_settings(Settings)
     keys = {key for key, _, _ in rows}
     assert {"host_root", "nvidia.mig_strategy", "ascend.vnpu_templates", "sharing"} <= keys
     documented = {key: meaning for key, _, meaning in rows}
@@ -213,3 +213,36 @@ def test_a_utf8_byte_order_mark_is_fine(tmp_path: Path) -> None:
     path = tmp_path / "edl.yaml"
     path.write_bytes(b"\xef\xbb\xbflog_level: debug\n")
     assert load_settings(file=str(path)).log_level == "debug"
+
+
+def test_the_fault_senders_tunables_are_settings() -> None:
+    from edl_agent.faults.sender import SenderSettings
+
+    settings = load_settings(
+        environ={"EDL_FAULTS__CALL_TIMEOUT_SECONDS": "3"},
+        overrides={"faults": {"retry_later_seconds": 0.25, "backoff_max_seconds": 5}},
+    )
+    sender = SenderSettings.from_settings(settings.faults)
+    got = (sender.call_timeout, sender.retry_later, sender.backoff_max, sender.backoff_initial)
+    assert got == (3.0, 0.25, 5.0, 0.5)
+    assert sender.batch_size == 100
+    with pytest.raises(ConfigError, match=r"faults\.backoff_max_seconds: must be at least"):
+        load_settings(
+            overrides={"faults": {"backoff_initial_seconds": 2, "backoff_max_seconds": 1}}
+        )
+
+
+def test_timeouts_are_settings() -> None:
+    settings = load_settings(
+        environ={
+            "EDL_HEALTH__TOOL_TIMEOUT_SECONDS": "0.5",
+            "EDL_NODE__API_READ_TIMEOUT_SECONDS": "2",
+        }
+    )
+    assert settings.health.tool_timeout_seconds == 0.5
+    assert (settings.node.api_connect_timeout_seconds, settings.node.api_read_timeout_seconds) == (
+        5.0,
+        2.0,
+    )
+    with pytest.raises(ConfigError, match=r"health\.tool_timeout_seconds: must be positive"):
+        load_settings(overrides={"health": {"tool_timeout_seconds": 0}})

@@ -18,7 +18,7 @@ from edl_agent._proto.pluginregistration.v1 import api_pb2 as registration_pb2
 from edl_agent._proto.pluginregistration.v1 import api_pb2_grpc as registration_grpc
 from edl_agent.agent import Agent
 from edl_agent.config import load_settings
-from edl_agent.dra import names
+from edl_agent.devices import names
 from edl_agent.dra.checkpoint import PreparedClaim, PreparedClaims, PreparedDevice
 from edl_agent.dra.node import DEVICE_PLUGIN_TAINT, _with_taint
 from edl_agent.sim import inject

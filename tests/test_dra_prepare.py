@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
+from edl_agent.devices import names
 from edl_agent.devices.model import Device, Health, Vendor
-from edl_agent.dra import names
 from edl_agent.dra.checkpoint import PreparedClaim, PreparedClaims, PreparedDevice
 from edl_agent.dra.prepare import (
     ClaimRef,

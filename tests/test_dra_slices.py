@@ -16,9 +16,9 @@ import pytest
 from structlog.testing import capture_logs
 
 from edl_agent.config import Settings, load_settings
+from edl_agent.devices import names
 from edl_agent.devices.discovery import discover_node
 from edl_agent.devices.model import Device, Health, Inventory, Vendor, VendorReport
-from edl_agent.dra import names
 from edl_agent.dra.api import SLICES, KubeDraApi
 from edl_agent.dra.publisher import SlicePublisher, SlicePublishError
 from edl_agent.dra.slices import (

@@ -12,7 +12,6 @@ import pytest
 import structlog.testing
 
 from edl_agent._proto.deviceplugin.v1beta1 import api_pb2
-from edl_agent.health import polled
 from edl_agent.sim import ascend_tree, inject
 from tests.kubelet_standin import Watch
 from tests.test_plugin import Node, running_node
@@ -211,13 +210,11 @@ def test_a_flood_of_one_xid_makes_one_transition_and_few_log_lines(tmp_path: Pat
         watch.cancel()
 
 
-def test_a_hung_vendor_tool_delays_neither_registration_nor_presence(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_hung_vendor_tool_delays_neither_registration_nor_presence(tmp_path: Path) -> None:
     """npu-smi hangs for 30 s in its poll (its own part now): a kubelet restart is still answered
     at once and a vanished GPU node is still noticed within a presence round."""
-    monkeypatch.setattr(polled, "TOOL_TIMEOUT_SECONDS", 30.0)
-    with running_node(tmp_path, "mixed-gpu-npu") as node:
+    hung = {"health": {"tool_timeout_seconds": 30.0}}
+    with running_node(tmp_path, "mixed-gpu-npu", extra=hung) as node:
         node.kubelet.wait_registered(node.resources)
         tool = node.tree / ascend_tree.TOOL.lstrip("/")
         healthy_tool = tool.read_text()

@@ -218,8 +218,8 @@ def test_connect_uses_the_thin_client_unless_only_the_kubernetes_package_can(
 ) -> None:
     """The agent's client: our own (no kubernetes package) for what it serves, the package's for
     what only it serves (here a proxy from the environment), none without credentials."""
-    from edl_agent.kube import KubeApi, connect
-    from edl_agent.kube_rest import RestKubeApi
+    from edl_agent.kube import KubeApi
+    from edl_agent.kube_rest import RestKubeApi, connect
 
     kubeconfig = str(write_kubeconfig(tmp_path / "kubeconfig", "https://explicit:1"))
     thin = connect(kubeconfig, environ={})

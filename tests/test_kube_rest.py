@@ -383,8 +383,10 @@ def fake() -> Iterator[FakeApi]:
 
 
 @contextlib.contextmanager
-def client(server: str, **credentials: Any) -> Iterator[RestKubeApi]:
-    api = RestKubeApi(Credentials(server=server, **credentials))
+def client(
+    server: str, *, timeout: tuple[float, float] = (5.0, 30.0), **credentials: Any
+) -> Iterator[RestKubeApi]:
+    api = RestKubeApi(Credentials(server=server, **credentials), timeout=timeout)
     try:
         yield api
     finally:
@@ -571,10 +573,12 @@ def test_connection_refused() -> None:
     assert "refused" in str(caught.value)
 
 
-def test_a_read_timeout(fake: FakeApi, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kube_rest, "REQUEST_TIMEOUT", (5.0, 0.2))
+def test_a_read_timeout(fake: FakeApi) -> None:
     fake.answer = lambda seen: (fake.closing.wait(1.0), (200, NODE))[1]
-    with client(fake.url) as api, pytest.raises(ApiError, match="ReadTimeoutError") as caught:
+    with (
+        client(fake.url, timeout=(5.0, 0.2)) as api,
+        pytest.raises(ApiError, match="ReadTimeoutError") as caught,
+    ):
         api.read_node("n1")
     assert caught.value.status is None
 

@@ -33,12 +33,12 @@ from edl_agent.labels.events import (
     Action,
     EventGate,
     EventSpec,
-    TokenBucket,
     health_events,
 )
 from edl_agent.labels.features import write_features_file
 from edl_agent.labels.node import NodeUpdater
 from edl_agent.labels.ownership import OUR_PREFIXES, OWNED_LABELS, label_patch
+from edl_agent.rate_limit import TokenBucket
 
 VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
 KEY = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")

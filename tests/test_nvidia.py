@@ -14,8 +14,9 @@ from edl_agent.devices import nvidia
 from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.model import Device, LinkKind, Vendor, VendorReport
 from edl_agent.sim import fake_nvml_build, nvidia_tree
+from edl_agent.sim.files import write_file
 from edl_agent.sim.profile import load_profile, stable_uuid
-from edl_agent.sim.tree import build_tree, write_file
+from edl_agent.sim.tree import build_tree
 
 LIBRARY = nvidia_tree.LIBRARY
 

@@ -9,7 +9,7 @@ from typing import Any
 from kubernetes import client
 
 from edl_agent.faults.model import FaultKind, PodRef
-from edl_agent.restarter.actuator import (
+from edl_agent.restarter.replacement import (
     BASE_NAME_ANNOTATION,
     RESTART_COUNT_ANNOTATION,
     RESTART_COUNT_ENV,

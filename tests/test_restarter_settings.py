@@ -16,11 +16,11 @@ import pytest
 from kubernetes import client
 
 from edl_agent.cli import main
-from edl_agent.config import ConfigError, describe_settings, load_settings
+from edl_agent.config import load_settings
 from edl_agent.errors import UsageError
 from edl_agent.restarter import cli
-from edl_agent.restarter.actuator import replacement_pod
 from edl_agent.restarter.process import Restarter
+from edl_agent.restarter.replacement import replacement_pod
 from edl_agent.restarter.settings import (
     DEFAULT_DROP_LABELS,
     RestarterSettings,
@@ -28,6 +28,7 @@ from edl_agent.restarter.settings import (
     label_pattern_problem,
     load_restarter_settings,
 )
+from edl_agent.settings_loader import ConfigError, describe_settings
 
 AGENT_USER = "system:serviceaccount:edl-system:edl-agent"
 

@@ -39,8 +39,9 @@ from edl_agent.devices.topology import (
 )
 from edl_agent.devices.topology_read import placement, read_topology
 from edl_agent.sim import ascend_tree, hygon_tree, nvidia_tree
+from edl_agent.sim.files import write_file
 from edl_agent.sim.profile import load_profile, numa_cpulist
-from edl_agent.sim.tree import build_tree, write_file
+from edl_agent.sim.tree import build_tree
 
 # ---- the pure model and renderer ---------------------------------------------------------------
 

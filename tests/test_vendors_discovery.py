@@ -16,8 +16,9 @@ from edl_agent.devices import ascend, hygon, kunlunxin
 from edl_agent.devices.hostroot import HostRoot, ToolError
 from edl_agent.devices.model import Health, Vendor, VendorReport
 from edl_agent.sim import ascend_tree, hygon_tree, kunlunxin_tree
+from edl_agent.sim.files import VENDOR_SLOT
 from edl_agent.sim.profile import load_profile, pci_bus_id
-from edl_agent.sim.tree import VENDOR_SLOT, build_tree
+from edl_agent.sim.tree import build_tree
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from edl_agent.config import PluginSettings
-from edl_agent.devices.model import Device, ResourceUnit, UnitKind, Vendor
-from edl_agent.dra import names
-from edl_agent.plugin.allocation import (
+from edl_agent.devices import names
+from edl_agent.devices.container import (
     DeviceNode,
     host_order,
     own_device_nodes,
@@ -32,6 +31,7 @@ from edl_agent.plugin.allocation import (
     visible_envs,
     visible_names,
 )
+from edl_agent.devices.model import Device, ResourceUnit, UnitKind, Vendor
 
 CDI_VERSION = "0.6.0"
 CLAIM_UID_ENV = "EDL_CLAIM_UID"
@@ -104,7 +104,8 @@ def claim_spec(
     check_claim_uid(claim_uid)
     known = _by_id([*node_devices, *(g.device for g in grants)])
     physical = _granted_devices(grants, known)
-    env = visible_envs(visible_names(physical, known, settings or PluginSettings()))
+    strategy = (settings or PluginSettings()).nvidia_device_id_strategy
+    env = visible_envs(visible_names(physical, known, strategy))
     env.update(share_envs(_share_units(grants), [d.id for d in physical]))
     env[CLAIM_UID_ENV] = claim_uid
     return {

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from edl_agent.cdi.spec import check_claim_uid
+from edl_agent.devices import names
 from edl_agent.devices.model import Vendor
-from edl_agent.dra import names
 from edl_agent.runtime.durable import fsync_directory
 
 PREFIX = f"{names.DOMAIN}-"

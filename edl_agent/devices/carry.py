@@ -15,9 +15,9 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from edl_agent.config import Settings
 from edl_agent.devices.model import Device, Health, Inventory, Vendor, VendorReport
 from edl_agent.devices.resources import advertised_resources
+from edl_agent.devices.settings import DeviceSettings
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class Carried:
 
 
 def carry_forward(
-    previous: Inventory, fresh: Inventory, *, carried: frozenset[str], settings: Settings
+    previous: Inventory, fresh: Inventory, *, carried: frozenset[str], settings: DeviceSettings
 ) -> Carried:
     """The inventory to advertise after a re-discovery that found `fresh`, given what was
     advertised (`previous`) and the ids carried as gone so far (`carried`)."""

@@ -13,11 +13,11 @@ from collections.abc import Callable, Mapping
 
 import structlog
 
-from edl_agent.config import Settings
 from edl_agent.devices import ascend, hygon, kunlunxin, nvidia
 from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.model import Inventory, Vendor, VendorReport
 from edl_agent.devices.resources import advertised_resources
+from edl_agent.devices.settings import DeviceSettings
 
 Backend = Callable[[HostRoot], VendorReport | None]
 
@@ -29,7 +29,9 @@ BACKENDS: Mapping[Vendor, Backend] = {
 }
 
 
-def discover_node(settings: Settings, *, environ: Mapping[str, str] | None = None) -> Inventory:
+def discover_node(
+    settings: DeviceSettings, *, environ: Mapping[str, str] | None = None
+) -> Inventory:
     root = HostRoot.at(settings.host_root)
     log = structlog.get_logger().bind(host_root=str(root.root))
     started = time.monotonic()
@@ -56,7 +58,7 @@ def discover_node(settings: Settings, *, environ: Mapping[str, str] | None = Non
     return inventory
 
 
-def node_name(settings: Settings, root: HostRoot, environ: Mapping[str, str]) -> str:
+def node_name(settings: DeviceSettings, root: HostRoot, environ: Mapping[str, str]) -> str:
     """The configured name, else $NODE_NAME (the downward API), else the host's hostname."""
     if settings.node_name:
         return settings.node_name
@@ -65,7 +67,7 @@ def node_name(settings: Settings, root: HostRoot, environ: Mapping[str, str]) ->
     return root.read_optional("/etc/hostname") or socket.gethostname()
 
 
-def _enabled(settings: Settings, vendor: Vendor) -> bool:
+def _enabled(settings: DeviceSettings, vendor: Vendor) -> bool:
     section: object = getattr(settings, vendor.value)
     return bool(getattr(section, "enabled", True))
 

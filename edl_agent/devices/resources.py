@@ -8,15 +8,17 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 
-from edl_agent.config import Settings, SharingRule
 from edl_agent.devices.model import Device, Resource, ResourceUnit, UnitKind, Vendor
+from edl_agent.devices.settings import DeviceSettings, SharingRule
 
 VENDOR_WORDS = re.compile(
     r"^(nvidia|tesla|geforce|quadro|kunlunxin|hygon|huawei)\s+", re.IGNORECASE
 )
 
 
-def advertised_resources(devices: Sequence[Device], settings: Settings) -> tuple[Resource, ...]:
+def advertised_resources(
+    devices: Sequence[Device], settings: DeviceSettings
+) -> tuple[Resource, ...]:
     """Every resource with its unit ids, sorted by name; unit ids keep device order."""
     devices = [d for d in devices if settings.serve(d.vendor.value) != "dra"]
     units: dict[str, list[ResourceUnit]] = {}
@@ -44,7 +46,7 @@ def advertised_resources(devices: Sequence[Device], settings: Settings) -> tuple
 
 
 def _whole_device_resources(
-    devices: Sequence[Device], settings: Settings
+    devices: Sequence[Device], settings: DeviceSettings
 ) -> dict[str, list[Device]]:
     groups: dict[str, list[Device]] = {}
     for device in devices:
@@ -55,7 +57,7 @@ def _whole_device_resources(
 
 
 def _whole_resource_name(
-    device: Device, devices: Sequence[Device], settings: Settings
+    device: Device, devices: Sequence[Device], settings: DeviceSettings
 ) -> str | None:
     match device.vendor:
         case Vendor.NVIDIA:
@@ -73,7 +75,7 @@ def _whole_resource_name(
 
 
 def _nvidia_resource_name(
-    device: Device, devices: Sequence[Device], settings: Settings
+    device: Device, devices: Sequence[Device], settings: DeviceSettings
 ) -> str | None:
     strategy = settings.nvidia.mig_strategy
     if device.kind == "mig":

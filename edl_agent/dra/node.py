@@ -32,9 +32,10 @@ import structlog
 from edl_agent.cdi import CdiWriter, claim_cdi_id, claim_spec, vendor_spec
 from edl_agent.cdi import Grant as CdiGrant
 from edl_agent.config import Settings
+from edl_agent.devices import names
+from edl_agent.devices.container import optional_control_nodes
 from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.model import Device, Health, Inventory, Vendor
-from edl_agent.dra import names
 from edl_agent.dra.api import DraApi
 from edl_agent.dra.checkpoint import PreparedClaims
 from edl_agent.dra.kubelet_plugin import DeviceHealthMap, DraPluginServer, socket_path
@@ -43,7 +44,6 @@ from edl_agent.dra.publisher import SlicePublisher, remove_stale_slices
 from edl_agent.dra.slices import desired_slices
 from edl_agent.health.state import DeviceState, Snapshot
 from edl_agent.kubelet.podresources import PodResourcesClient
-from edl_agent.plugin.allocation import optional_control_nodes
 from edl_agent.runtime.backoff import Backoff
 
 RESYNC_SECONDS = 60.0

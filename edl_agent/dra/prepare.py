@@ -25,8 +25,8 @@ from typing import Any, Protocol
 
 import structlog
 
+from edl_agent.devices import names
 from edl_agent.devices.model import Device, Health, Vendor
-from edl_agent.dra import names
 from edl_agent.dra.checkpoint import PreparedClaim, PreparedClaims, PreparedDevice
 
 MIB = 2**20

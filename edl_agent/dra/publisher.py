@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 
 import structlog
 
-from edl_agent.dra import names
+from edl_agent.devices import names
 from edl_agent.dra.api import GROUP_VERSION, DraApi
 from edl_agent.dra.slices import (
     CONSUMABLE_CAPACITY,

@@ -44,9 +44,9 @@ from datetime import datetime
 from typing import Any
 
 from edl_agent.config import Settings
+from edl_agent.devices import names
 from edl_agent.devices.model import Device, Health, Inventory, UnitKind, Vendor
 from edl_agent.devices.resources import advertised_resources, product_model
-from edl_agent.dra import names
 from edl_agent.health.state import Snapshot
 from edl_agent.kube_time import format_time
 from edl_agent.labels.compute import label_value

@@ -31,6 +31,7 @@ import structlog
 
 from edl_agent._proto.edl.fault.v1 import fault_pb2, fault_pb2_grpc
 from edl_agent.address import is_loopback
+from edl_agent.config import FaultSettings
 from edl_agent.faults.convert import to_proto
 from edl_agent.faults.model import Fault
 from edl_agent.faults.outbox import Outbox
@@ -60,6 +61,22 @@ class SenderSettings:
     backoff_max: float = 30.0
     retry_later: float = 1.0
     """Seconds before faults the restarter asked to be sent again later go again."""
+
+    @classmethod
+    def from_settings(cls, settings: FaultSettings) -> SenderSettings:
+        """The sender's settings from the agent's `faults` section."""
+        return cls(
+            address=settings.restarter_address,
+            token_file=Path(settings.token_file),
+            ca_file=Path(settings.ca_file) if settings.ca_file else None,
+            server_name=settings.server_name,
+            insecure=settings.insecure,
+            batch_size=settings.batch_size,
+            call_timeout=settings.call_timeout_seconds,
+            backoff_initial=settings.backoff_initial_seconds,
+            backoff_max=settings.backoff_max_seconds,
+            retry_later=settings.retry_later_seconds,
+        )
 
 
 @dataclass(frozen=True)

@@ -9,15 +9,13 @@ nothing but the data.
 from __future__ import annotations
 
 import enum
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from edl_agent.fault_codes import HEX_CODE, parse_ascend_code
 from edl_agent.health.model import ClearsBy, HealthEvent, Level
 
 Overrides = Mapping[str, str]
-
-_HEX_CODE = re.compile(r"^(?:0[xX])?([0-9a-fA-F]{1,8})$")
 
 # --- NVIDIA XIDs ---------------------------------------------------------------------------------
 #
@@ -128,15 +126,6 @@ def classify_row_remap_failure() -> Level:
     return Level.DEVICE_FATAL
 
 
-def check_xid_overrides(overrides: Overrides) -> None:
-    """Raise ValueError naming the first key that is not an XID number or value not a level."""
-    for key, value in overrides.items():
-        if not key.strip().isdigit():
-            msg = f"health.xid_levels: {key!r} is not an XID number"
-            raise ValueError(msg)
-        _check_level("health.xid_levels", key, value)
-
-
 # --- Ascend fault codes --------------------------------------------------------------------------
 
 
@@ -204,20 +193,6 @@ ASCEND_CODE_TYPES: Mapping[int, AscendFaultType] = {
 UNKNOWN_ASCEND_CODE_LEVEL = Level.WARN
 
 
-def parse_ascend_code(text: str) -> int:
-    """`0x80E01801`, `80E01801` or `80e01801` to its number; ValueError for anything else."""
-    match = _HEX_CODE.match(text.strip())
-    if match is None:
-        msg = f"{text!r} is not an Ascend fault code (8 hex digits, e.g. 0x80E01801)"
-        raise ValueError(msg)
-    return int(match.group(1), 16)
-
-
-def format_ascend_code(code: int) -> str:
-    """The spelling used in reasons and settings: `0x80E01801`."""
-    return f"0x{code:08X}"
-
-
 def ascend_code_level(code: int, overrides: Overrides | None = None) -> Level | None:
     """The level of fault code `code`, or None when neither the overrides nor the table know it.
 
@@ -225,7 +200,7 @@ def ascend_code_level(code: int, overrides: Overrides | None = None) -> Level | 
     """
     if overrides:
         for key, value in overrides.items():
-            if _HEX_CODE.match(key.strip()) and parse_ascend_code(key) == code:
+            if HEX_CODE.match(key.strip()) and parse_ascend_code(key) == code:
                 return Level(value)
     fault_type = ASCEND_CODE_TYPES.get(code)
     return ASCEND_FAULT_TYPE_LEVELS[fault_type] if fault_type is not None else None
@@ -235,22 +210,11 @@ def ascend_code_clears_by(code: int, level: Level, overrides: Overrides | None =
     """What ends the quarantine fault code `code` at `level` causes
     (`health.ascend_code_clears_by` first, keyed by hex code in any spelling)."""
     for key, value in (overrides or {}).items():
-        if _HEX_CODE.match(key.strip()) and parse_ascend_code(key) == code:
+        if HEX_CODE.match(key.strip()) and parse_ascend_code(key) == code:
             return ClearsBy(value)
     fault_type = ASCEND_CODE_TYPES.get(code)
     known = ASCEND_FAULT_TYPE_RULES[fault_type].clears_by if fault_type is not None else None
     return _clears_at(level, known)
-
-
-def check_ascend_overrides(overrides: Overrides) -> None:
-    """Raise ValueError naming the first key that is not a hex fault code or value not a level."""
-    for key, value in overrides.items():
-        try:
-            parse_ascend_code(key)
-        except ValueError as exc:
-            msg = f"health.ascend_code_levels: {exc}"
-            raise ValueError(msg) from None
-        _check_level("health.ascend_code_levels", key, value)
 
 
 # npu-smi's Health column: OK, then three alarm grades. Warning is a minor alarm with the chip
@@ -371,21 +335,6 @@ def _clears_at(level: Level, known: ClearsBy | None) -> ClearsBy:
     return ClearsBy.REBOOT if level is Level.NODE_FATAL else ClearsBy.RESET
 
 
-def check_clears_by_overrides(setting: str, overrides: Overrides, *, ascend: bool) -> None:
-    """Raise ValueError naming the first bad key or value of `health.*_clears_by`."""
-    choices = ", ".join(c.value for c in ClearsBy)
-    for key, value in overrides.items():
-        if ascend:
-            try:
-                parse_ascend_code(key)
-            except ValueError as exc:
-                raise ValueError(f"{setting}: {exc}") from None
-        elif not key.strip().isdigit():
-            raise ValueError(f"{setting}: {key!r} is not an XID number")
-        if value not in {c.value for c in ClearsBy}:
-            raise ValueError(f"{setting}[{key!r}]: {value!r} is not one of {choices}")
-
-
 # --- helpers -------------------------------------------------------------------------------------
 
 _ORDER = (Level.IGNORE, Level.WARN, Level.DEVICE_FATAL, Level.NODE_FATAL)
@@ -398,10 +347,3 @@ def _rank(level: Level) -> int:
 def most_severe(levels: Iterable[Level]) -> Level:
     """The most severe of `levels` (at least one)."""
     return max(levels, key=_rank)
-
-
-def _check_level(setting: str, key: str, value: str) -> None:
-    if value not in {level.value for level in Level}:
-        choices = ", ".join(level.value for level in _ORDER)
-        msg = f"{setting}[{key!r}]: {value!r} is not one of {choices}"
-        raise ValueError(msg)

@@ -28,18 +28,15 @@ from edl_agent.config import HealthSettings
 from edl_agent.devices import ascend, hygon, kunlunxin
 from edl_agent.devices.hostroot import HostRoot, ToolError
 from edl_agent.devices.model import Device, Vendor
+from edl_agent.fault_codes import format_ascend_code
 from edl_agent.health.classify import (
     ASCEND_CODE_TYPES,
     classify_device_state,
     classify_ecc_dbe,
     classify_npu_fault,
-    format_ascend_code,
     most_severe,
 )
 from edl_agent.health.model import DeviceTelemetry, HealthEvent, Level
-
-# A tool that hangs must not stall the poller for long; a healthy one answers in well under this.
-TOOL_TIMEOUT_SECONDS = 5.0
 
 Clock = Callable[[], float]
 
@@ -84,7 +81,7 @@ def poll_kunlunxin(
     clock: Clock = time.monotonic,
 ) -> PollResult:
     """Read `xpu-smi -q` once: per XPU its (designed) `XPU State`, volatile DRAM ECC counts and
-    live figures. `settings` has no Kunlunxin overrides; it is taken for a uniform signature."""
+    live figures. Of `settings` only the tool's timeout applies (Kunlunxin has no overrides)."""
     at = clock()
     mine = _of(devices, Vendor.KUNLUNXIN)
     try:
@@ -92,7 +89,7 @@ def poll_kunlunxin(
             kunlunxin.TOOL,
             kunlunxin.QUERY_ARGS,
             kunlunxin.parse_xpu_smi_query,
-            timeout=TOOL_TIMEOUT_SECONDS,
+            timeout=settings.tool_timeout_seconds,
         )
     except ToolError as exc:
         return _failed(Vendor.KUNLUNXIN, "XPU_SMI_FAILED", str(exc), at)
@@ -131,12 +128,15 @@ def poll_hygon(
     clock: Clock = time.monotonic,
 ) -> PollResult:
     """Read `hy-smi <STATUS_ARGS> --json` once: per DCU its (designed) `DCU State` and live
-    figures. `settings` has no Hygon overrides; it is taken for a uniform signature."""
+    figures. Of `settings` only the tool's timeout applies (Hygon has no overrides)."""
     at = clock()
     mine = _of(devices, Vendor.HYGON)
     try:
         statuses = root.read_tool(
-            hygon.TOOL, hygon.STATUS_ARGS, hygon.parse_hy_smi_status, timeout=TOOL_TIMEOUT_SECONDS
+            hygon.TOOL,
+            hygon.STATUS_ARGS,
+            hygon.parse_hy_smi_status,
+            timeout=settings.tool_timeout_seconds,
         )
     except ToolError as exc:
         return _failed(Vendor.HYGON, "HY_SMI_FAILED", str(exc), at)
@@ -180,7 +180,10 @@ def poll_ascend(
     mine = _of(devices, Vendor.ASCEND)
     try:
         info = root.read_tool(
-            ascend.TOOL, ascend.QUERY_ARGS, ascend.parse_npu_smi_info, timeout=TOOL_TIMEOUT_SECONDS
+            ascend.TOOL,
+            ascend.QUERY_ARGS,
+            ascend.parse_npu_smi_info,
+            timeout=settings.tool_timeout_seconds,
         )
     except ToolError as exc:
         return _failed(Vendor.ASCEND, "NPU_SMI_FAILED", str(exc), at)
@@ -262,7 +265,7 @@ def _npu_finding(
     args = [arg.format(npu=record.npu_id, chip=record.chip_id) for arg in ascend.HEALTH_ARGS]
     try:
         detail = root.read_tool(
-            tool, args, ascend.parse_npu_smi_health, timeout=TOOL_TIMEOUT_SECONDS
+            tool, args, ascend.parse_npu_smi_health, timeout=settings.tool_timeout_seconds
         )
     except ToolError as exc:
         note = f"; fault codes unknown: {exc}"

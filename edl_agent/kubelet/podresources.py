@@ -38,7 +38,7 @@ Units = Mapping[str, Mapping[str, ResourceUnit]]
 """Resource name → advertised unit id → unit, as in `Snapshot.units`."""
 Claimable = Mapping[tuple[str, str, str], str]
 """(DRA driver, pool, device name) → physical device id, for the devices we publish in
-ResourceSlices (`dra.names.claimable`)."""
+ResourceSlices (`devices.names.claimable`)."""
 
 
 def attribute(

@@ -43,9 +43,10 @@ import unicodedata
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 
-from edl_agent.config import Settings, SharingRule
+from edl_agent.config import Settings
 from edl_agent.devices.model import Device, Health, Inventory, Vendor, VendorReport
 from edl_agent.devices.resources import ascend_family
+from edl_agent.devices.settings import SharingRule
 from edl_agent.health.tracker import Condition
 
 EDL = "edl.io/"

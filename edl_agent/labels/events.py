@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from edl_agent.labels.condition import DeviceFault
+from edl_agent.rate_limit import TokenBucket
 
 WARNING = "Warning"
 NORMAL = "Normal"
@@ -63,26 +64,6 @@ class Decision:
     action: Action
     name: str | None = None  # the event to bump
     count: int = 1
-
-
-class TokenBucket:
-    """`capacity` tokens, refilled at `per_second`; times are seconds on any one clock."""
-
-    def __init__(self, *, capacity: int, per_second: float) -> None:
-        self.capacity = capacity
-        self.per_second = per_second
-        self._tokens = float(capacity)
-        self._at: float | None = None
-
-    def take(self, now: float) -> bool:
-        if self._at is not None:
-            elapsed = max(0.0, now - self._at)
-            self._tokens = min(self.capacity, self._tokens + elapsed * self.per_second)
-        self._at = now
-        if self._tokens < 1:
-            return False
-        self._tokens -= 1
-        return True
 
 
 @dataclass

@@ -20,8 +20,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from edl_agent.devices.container import host_order
 from edl_agent.devices.model import Device, Link, ResourceUnit, UnitKind
-from edl_agent.plugin.allocation import host_order
 
 EXHAUSTIVE_LIMIT = 5000
 SAME_NUMA = 20

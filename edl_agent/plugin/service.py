@@ -11,6 +11,7 @@ import structlog
 
 from edl_agent._proto.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from edl_agent.config import PluginSettings
+from edl_agent.devices.container import AllocationError
 from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.model import Device, ResourceUnit
 from edl_agent.health.state import DeviceState, Snapshot
@@ -117,7 +118,7 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
                     existing_paths=self._existing_paths(snapshot, units, container.devices_ids),
                     settings=self._settings,
                 )
-            except allocation.AllocationError as exc:
+            except AllocationError as exc:
                 code = (
                     grpc.StatusCode.INVALID_ARGUMENT
                     if exc.kind == "invalid_argument"

@@ -10,19 +10,19 @@ from pathlib import Path
 from typing import Any, get_args
 
 from edl_agent import log
-from edl_agent.config import (
+from edl_agent.errors import UsageError
+from edl_agent.restarter.settings import (
+    IntakeSettings,
+    RestarterSettings,
+    load_restarter_settings,
+)
+from edl_agent.settings_loader import (
     Layer,
     LogFormat,
     LogLevel,
     assignment,
     describe_settings,
     set_path,
-)
-from edl_agent.errors import UsageError
-from edl_agent.restarter.settings import (
-    IntakeSettings,
-    RestarterSettings,
-    load_restarter_settings,
 )
 
 MAX_PEM_BYTES = 1024 * 1024

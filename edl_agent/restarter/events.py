@@ -18,7 +18,7 @@ from kubernetes import client
 
 from edl_agent.kube import ApiError, call_json
 from edl_agent.kube_time import format_time
-from edl_agent.labels.events import TokenBucket
+from edl_agent.rate_limit import TokenBucket
 
 log = structlog.get_logger(__name__)
 

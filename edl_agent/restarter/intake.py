@@ -51,7 +51,7 @@ import structlog
 
 from edl_agent._proto.edl.fault.v1 import fault_pb2, fault_pb2_grpc
 from edl_agent.address import is_loopback
-from edl_agent.config import MAX_SHARES_PER_DEVICE
+from edl_agent.devices.settings import MAX_SHARES_PER_DEVICE
 from edl_agent.faults.convert import InvalidFault, from_proto
 from edl_agent.faults.ids import observer_scoped_id
 from edl_agent.faults.model import Fault, FaultKind, PodRef

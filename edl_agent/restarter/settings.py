@@ -1,4 +1,4 @@
-"""The restarter's settings: typed and layered the way the agent's are (`edl_agent.config`).
+"""The restarter's settings: typed and layered by `edl_agent.settings_loader`, as the agent's are.
 
 Lowest first: the defaults below, the pod's own downward-API variables (`POD_NAMESPACE`,
 `POD_NAME`), a YAML file (`--config`), `EDL_RESTARTER_*` environment variables
@@ -15,11 +15,19 @@ import math
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from edl_agent.address import parse_host_port
-from edl_agent.config import RESTARTER_ENV_PREFIX, Layer, LogFormat, LogLevel, load_layers
 from edl_agent.errors import shorten
+from edl_agent.settings_loader import (
+    RESTARTER_ENV_PREFIX,
+    Layer,
+    LogFormat,
+    LogLevel,
+    load_layers,
+    section,
+    setting,
+)
 
 # Kubernetes names: namespaces are DNS labels, most other objects DNS subdomains (RFC 1123).
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
@@ -62,18 +70,22 @@ DEFAULT_DROP_LABELS = (
 
 @dataclass(frozen=True)
 class IntakeSettings:
-    listen: str = ":8443"
-    """The fault intake's address (`--listen`, `host:port`); empty: no intake."""
-    audience: str = "edl-restarter"
-    """The audience the agents' tokens must be issued for (`--audience`)."""
-    agent_service_account: str = "edl-system/edl-agent"
-    """`NS/NAME` of the ServiceAccount the agents report as (`--agent-service-account`); the
-    intake takes faults from its tokens only."""
-    tls_cert: str = ""
-    """The intake's TLS certificate, a PEM file (`--tls-cert`); empty with `tls_key`:
-    plaintext."""
-    tls_key: str = ""
-    """The intake's TLS key, a PEM file (`--tls-key`)."""
+    listen: str = setting(
+        ":8443", "The fault intake's address (`--listen`, `host:port`); empty: no intake."
+    )
+    audience: str = setting(
+        "edl-restarter", "The audience the agents' tokens must be issued for (`--audience`)."
+    )
+    agent_service_account: str = setting(
+        "edl-system/edl-agent",
+        "`NS/NAME` of the ServiceAccount the agents report as (`--agent-service-account`); "
+        "the intake takes faults from its tokens only.",
+    )
+    tls_cert: str = setting(
+        "",
+        "The intake's TLS certificate, a PEM file (`--tls-cert`); empty with `tls_key`: plaintext.",
+    )
+    tls_key: str = setting("", "The intake's TLS key, a PEM file (`--tls-key`).")
 
     @property
     def agent_account(self) -> tuple[str, str]:
@@ -97,23 +109,29 @@ class IntakeSettings:
 
 @dataclass(frozen=True)
 class ElectionSettings:
-    enabled: bool = True
-    """Act only while holding the Lease (`--leader-elect`, `--no-leader-elect` for a single
-    replica, which acts at once)."""
-    lease_namespace: str = "edl-system"
-    """The Lease's namespace (`--lease-namespace`); default: the pod's own ($POD_NAMESPACE)
-    when set, else edl-system."""
-    lease_name: str = "edl-restarter"
-    """The Lease's name (`--lease-name`)."""
-    identity: str = ""
-    """This replica's name in the Lease (`--identity`); default: the pod's name ($POD_NAME),
-    else `<hostname>-<random>`."""
-    lease_duration_seconds: float = 15.0
-    """A standby takes over after the Lease stood still this long."""
-    renew_deadline_seconds: float = 10.0
-    """The leader gives up (exits 1) when it could not renew for this long."""
-    retry_period_seconds: float = 2.0
-    """How often the Lease is read and renewed."""
+    enabled: bool = setting(
+        True,
+        "Act only while holding the Lease (`--leader-elect`, `--no-leader-elect` for a single "
+        "replica, which acts at once).",
+    )
+    lease_namespace: str = setting(
+        "edl-system",
+        "The Lease's namespace (`--lease-namespace`); default: the pod's own ($POD_NAMESPACE) "
+        "when set, else edl-system.",
+    )
+    lease_name: str = setting("edl-restarter", "The Lease's name (`--lease-name`).")
+    identity: str = setting(
+        "",
+        "This replica's name in the Lease (`--identity`); default: the pod's name "
+        "($POD_NAME), else `<hostname>-<random>`.",
+    )
+    lease_duration_seconds: float = setting(
+        15.0, "A standby takes over after the Lease stood still this long."
+    )
+    renew_deadline_seconds: float = setting(
+        10.0, "The leader gives up (exits 1) when it could not renew for this long."
+    )
+    retry_period_seconds: float = setting(2.0, "How often the Lease is read and renewed.")
 
     def check(self) -> None:
         for key in ("lease_duration_seconds", "renew_deadline_seconds", "retry_period_seconds"):
@@ -139,11 +157,14 @@ class ElectionSettings:
 
 @dataclass(frozen=True)
 class StormSettings:
-    max_share: float = 0.1
-    """Node-failure restarts are held while more than this share of the nodes is NotReady, and
-    at least `min_nodes` are (`--storm-max-share`; 1 turns the guard off)."""
-    min_nodes: int = 3
-    """The fewest NotReady nodes that make a storm (`--storm-min-nodes`)."""
+    max_share: float = setting(
+        0.1,
+        "Node-failure restarts are held while more than this share of the nodes is NotReady, "
+        "and at least `min_nodes` are (`--storm-max-share`; 1 turns the guard off).",
+    )
+    min_nodes: int = setting(
+        3, "The fewest NotReady nodes that make a storm (`--storm-min-nodes`)."
+    )
 
     def check(self) -> None:
         if not 0 < self.max_share <= 1:
@@ -156,11 +177,13 @@ class StormSettings:
 
 @dataclass(frozen=True)
 class ReplacementSettings:
-    drop_labels: tuple[str, ...] = DEFAULT_DROP_LABELS
-    """Labels of a failed bare pod its replacement does not get: exact keys, or prefixes ending
-    in `*` (`example.com/*`). The default drops what controllers stamp on one specific pod
-    (`pod-template-hash`, the StatefulSet's and the Job's own labels) and the restarter's
-    leader label; see the README. Setting it replaces the whole list."""
+    drop_labels: tuple[str, ...] = setting(
+        DEFAULT_DROP_LABELS,
+        "Labels of a failed bare pod its replacement does not get: exact keys, or prefixes "
+        "ending in `*` (`example.com/*`). The default drops what controllers stamp on one "
+        "specific pod (`pod-template-hash`, the StatefulSet's and the Job's own labels) and "
+        "the restarter's leader label; see the README. Setting it replaces the whole list.",
+    )
 
     def check(self) -> None:
         for i, entry in enumerate(self.drop_labels):
@@ -171,33 +194,44 @@ class ReplacementSettings:
 
 @dataclass(frozen=True)
 class RestarterSettings:
-    kubeconfig: str = ""
-    """Kubeconfig file for the API server (`--kubeconfig`); empty: $KUBECONFIG, else the pod's
-    service account in a cluster."""
-    namespaces: tuple[str, ...] = ()
-    """Watch pods and policies in these namespaces only (`--namespace`, repeatable); empty: all
-    namespaces."""
-    node_grace_seconds: float = 40.0
-    """How long a node is NotReady before its pods fault (`--node-grace-seconds`)."""
-    metrics_addr: str = ":9401"
-    """Address of /metrics, /healthz and /readyz (`--metrics-addr`); empty: none."""
-    log_level: LogLevel = "info"
-    """Least severe log level written (logs go to stderr)."""
-    log_format: LogFormat = "auto"
-    """auto: readable on a terminal, JSON lines otherwise."""
-    intake: IntakeSettings = field(default_factory=IntakeSettings)
-    """The authenticated gRPC intake of the agents' fault reports."""
-    election: ElectionSettings = field(default_factory=ElectionSettings)
-    """Leader election through a Lease: several replicas run, one acts."""
-    storm: StormSettings = field(default_factory=StormSettings)
-    """The storm guard: node-failure restarts wait while many nodes fail at once."""
-    replacement: ReplacementSettings = field(default_factory=ReplacementSettings)
-    """The pod made in place of a failed bare pod."""
-    pod_name: str = ""
-    """This restarter's own pod ($POD_NAME, from the downward API); with `pod_namespace` the
-    leader labels it `edl.io/restarter-leader=true` for the intake Service."""
-    pod_namespace: str = ""
-    """This restarter's own namespace ($POD_NAMESPACE, from the downward API)."""
+    kubeconfig: str = setting(
+        "",
+        "Kubeconfig file for the API server (`--kubeconfig`); empty: $KUBECONFIG, else the "
+        "pod's service account in a cluster.",
+    )
+    namespaces: tuple[str, ...] = setting(
+        (),
+        "Watch pods and policies in these namespaces only (`--namespace`, repeatable); empty: "
+        "all namespaces.",
+    )
+    node_grace_seconds: float = setting(
+        40.0, "How long a node is NotReady before its pods fault (`--node-grace-seconds`)."
+    )
+    metrics_addr: str = setting(
+        ":9401", "Address of /metrics, /healthz and /readyz (`--metrics-addr`); empty: none."
+    )
+    log_level: LogLevel = setting("info", "Least severe log level written (logs go to stderr).")
+    log_format: LogFormat = setting("auto", "auto: readable on a terminal, JSON lines otherwise.")
+    intake: IntakeSettings = section(
+        IntakeSettings, "The authenticated gRPC intake of the agents' fault reports."
+    )
+    election: ElectionSettings = section(
+        ElectionSettings, "Leader election through a Lease: several replicas run, one acts."
+    )
+    storm: StormSettings = section(
+        StormSettings, "The storm guard: node-failure restarts wait while many nodes fail at once."
+    )
+    replacement: ReplacementSettings = section(
+        ReplacementSettings, "The pod made in place of a failed bare pod."
+    )
+    pod_name: str = setting(
+        "",
+        "This restarter's own pod ($POD_NAME, from the downward API); with `pod_namespace` "
+        "the leader labels it `edl.io/restarter-leader=true` for the intake Service.",
+    )
+    pod_namespace: str = setting(
+        "", "This restarter's own namespace ($POD_NAMESPACE, from the downward API)."
+    )
 
     def check(self) -> None:
         for i, watched in enumerate(self.namespaces):

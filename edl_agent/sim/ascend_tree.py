@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from edl_agent.sim.files import VENDOR_SLOT, write_file
 from edl_agent.sim.profile import AscendSpec, Profile, numa_cpulist, numa_node_of, pci_bus_id
-from edl_agent.sim.tree import VENDOR_SLOT, write_file
 
 TOOL = "/usr/local/Ascend/driver/tools/npu-smi"
 INFO_OUTPUT = TOOL + ".info.txt"

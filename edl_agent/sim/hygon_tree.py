@@ -14,8 +14,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from edl_agent.sim.files import VENDOR_SLOT, write_file
 from edl_agent.sim.profile import HygonSpec, Profile, numa_node_of, pci_bus_id, stable_uuid
-from edl_agent.sim.tree import VENDOR_SLOT, write_file
 
 TOOL = "/opt/hyhal/bin/hy-smi"
 JSON_OUTPUT = "/opt/hyhal/bin/hy-smi.json"

@@ -20,7 +20,7 @@ from edl_agent.devices.model import Vendor
 from edl_agent.health import classify
 from edl_agent.health.model import ClearsBy
 from edl_agent.sim import ascend_tree, hygon_tree, kunlunxin_tree, nvidia_tree
-from edl_agent.sim.tree import BOOT_ID, write_file
+from edl_agent.sim.files import BOOT_ID, write_file
 
 # nvmlDeviceGpuRecoveryAction_t values the simulated driver reports after an XID.
 _RECOVERY_ACTIONS = {ClearsBy.RESET: 1, ClearsBy.REBOOT: 2}

@@ -12,8 +12,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from edl_agent.sim.files import VENDOR_SLOT, write_file
 from edl_agent.sim.profile import KunlunxinSpec, Profile, numa_node_of, pci_bus_id, stable_uuid
-from edl_agent.sim.tree import VENDOR_SLOT, write_file
 
 TOOL = "/usr/local/bin/xpu-smi"
 QUERY_OUTPUT = TOOL + ".q.txt"

@@ -17,6 +17,7 @@ from pathlib import Path
 import pynvml
 
 from edl_agent.sim import fake_nvml_build
+from edl_agent.sim.files import VENDOR_SLOT, write_file
 from edl_agent.sim.profile import (
     GpuSpec,
     NvidiaSpec,
@@ -26,7 +27,6 @@ from edl_agent.sim.profile import (
     pci_bus_id,
     stable_uuid,
 )
-from edl_agent.sim.tree import VENDOR_SLOT, write_file
 
 LIBRARY = "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1"
 DATA = LIBRARY + ".sim"

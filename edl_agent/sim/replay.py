@@ -15,8 +15,8 @@ from typing import Any
 
 from edl_agent.errors import UsageError
 from edl_agent.sim import nvidia_tree
+from edl_agent.sim.files import BOOT_ID, write_file
 from edl_agent.sim.record import FAKE_NVML_DATA, FORMAT, SMI_TOOLS
-from edl_agent.sim.tree import BOOT_ID, write_file
 
 RECORDED_OUTPUTS = "/usr/share/edl-agent/recorded"
 

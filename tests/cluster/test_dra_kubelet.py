@@ -37,7 +37,7 @@ from kubelet_helpers import (
 from kubernetes import client
 from scheduler import Process, free_port
 
-from edl_agent.dra import names
+from edl_agent.devices import names
 from edl_agent.dra.prepare import parse_quantity
 from edl_agent.sim import inject
 

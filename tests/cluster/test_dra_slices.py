@@ -34,9 +34,9 @@ from manifests import dry_run_warnings, kubectl_name, kustomized
 from test_node_labels import agent_view, pod_bound_token
 
 from edl_agent.config import Settings, load_settings
+from edl_agent.devices import names
 from edl_agent.devices.discovery import discover_node
 from edl_agent.devices.model import Inventory, Vendor
-from edl_agent.dra import names
 from edl_agent.dra.api import GROUP_VERSION, SLICES, KubeDraApi
 from edl_agent.dra.publisher import SlicePublisher
 from edl_agent.dra.slices import desired_slices, same_content, slice_name, with_generation

@@ -25,7 +25,8 @@ from edl_agent.devices.discovery import discover_node
 from edl_agent.devices.model import Inventory, Vendor
 from edl_agent.health.model import Level
 from edl_agent.health.tracker import Condition
-from edl_agent.kube import ApiError, KubeApi, connect
+from edl_agent.kube import ApiError, KubeApi
+from edl_agent.kube_rest import connect
 from edl_agent.labels.compute import node_labels
 from edl_agent.labels.condition import CONDITION_TYPE, accelerator_health
 from edl_agent.labels.cordon import CORDONED_DEVICES, RELEASE_DEVICES

@@ -18,9 +18,10 @@ from k8s_test_helpers import POD_FAIL_EXIT_CODE, POD_FAIL_LABEL, KwokCluster, wa
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from edl_agent.restarter.actuator import RESTART_COUNT_ANNOTATION, RESTART_COUNT_ENV, Actuator
+from edl_agent.restarter.actuator import Actuator
 from edl_agent.restarter.controller import Controller
 from edl_agent.restarter.kube_controller import connect
+from edl_agent.restarter.replacement import RESTART_COUNT_ANNOTATION, RESTART_COUNT_ENV
 from edl_agent.restarter.status import LIMIT_EXCEEDED
 from edl_agent.restarter.watchers import DELETED_BY_ANNOTATION
 
