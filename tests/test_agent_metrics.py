@@ -19,9 +19,9 @@ from tests.prometheus_runner import (
     get,
     need,
     running_prometheus,
-    wait_for,
     wait_until_serving,
 )
+from tests.waiting import wait_until
 
 
 @pytest.fixture
@@ -57,12 +57,24 @@ def agent(tmp_path: Path) -> Iterator[tuple[Path, str]]:
 def test_prometheus_sees_an_injected_xid(agent: tuple[Path, str], tmp_path: Path) -> None:
     tree, url = agent
     with running_prometheus([url.removeprefix("http://")], tmp_path) as prometheus:
-        wait_for(lambda: prometheus.value('edl_device_healthy{index="3"}') == "1", "GPU 3 up")
+        wait_until(
+            lambda: prometheus.value('edl_device_healthy{index="3"}') == "1",
+            what="GPU 3 up",
+            timeout=60,
+            poll=0.2,
+        )
         inject.inject_xid(tree, 3, 79)
-        wait_for(lambda: prometheus.value('edl_device_healthy{index="3"}') == "0", "GPU 3 down")
-        wait_for(
+        wait_until(
+            lambda: prometheus.value('edl_device_healthy{index="3"}') == "0",
+            what="GPU 3 down",
+            timeout=60,
+            poll=0.2,
+        )
+        wait_until(
             lambda: prometheus.value('edl_xid_errors_total{index="3",xid="79"}') == "1",
-            "XID 79 counted",
+            what="XID 79 counted",
+            timeout=60,
+            poll=0.2,
         )
         assert prometheus.value("sum(edl_device_healthy)") == "7"
         assert prometheus.value("edl_plugin_registrations_total") == "1"
@@ -71,7 +83,7 @@ def test_prometheus_sees_an_injected_xid(agent: tuple[Path, str], tmp_path: Path
 def test_metrics_pass_promtool_and_readyz_follows_nvml(agent: tuple[Path, str]) -> None:
     tree, url = agent
     promtool = need("promtool")
-    wait_for(lambda: get(f"{url}/readyz")[0] == 200, "ready")
+    wait_until(lambda: get(f"{url}/readyz")[0] == 200, what="ready", timeout=60, poll=0.2)
     inject.inject_xid(tree, 1, 13)
     status, body, _ = get(f"{url}/metrics")
     assert status == 200
@@ -82,8 +94,13 @@ def test_metrics_pass_promtool_and_readyz_follows_nvml(agent: tuple[Path, str]) 
     assert checked.returncode == 0, checked.stdout.decode() + checked.stderr.decode()
 
     inject.set_nvml_init_failure(tree, on=True)
-    wait_for(lambda: get(f"{url}/readyz")[0] == 503, "not ready while NVML fails")
+    wait_until(
+        lambda: get(f"{url}/readyz")[0] == 503,
+        what="not ready while NVML fails",
+        timeout=60,
+        poll=0.2,
+    )
     assert b"NVML" in get(f"{url}/readyz")[1]
     assert get(f"{url}/healthz")[0] == 200
     inject.set_nvml_init_failure(tree, on=False)
-    wait_for(lambda: get(f"{url}/readyz")[0] == 200, "ready again")
+    wait_until(lambda: get(f"{url}/readyz")[0] == 200, what="ready again", timeout=60, poll=0.2)
