@@ -4,6 +4,8 @@ recorded by one controller carried out by the next; API errors delay a fault and
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,9 +22,9 @@ from edl_agent.restarter.controller import Controller, NotRecorded
 from edl_agent.restarter.covering import PolicyIndex
 from edl_agent.restarter.dispatch import Admission, Dispatch
 from edl_agent.restarter.memory import InMemoryCluster
+from edl_agent.restarter.replacement import REPLACES_UID_ANNOTATION
 from edl_agent.restarter.spec import parse_policy
 from edl_agent.restarter.storm import StormGuard
-from edl_agent.restarter.watchers import REPLACES_UID_ANNOTATION
 
 NS = "train"
 JOB, TYPE, INDEX = "edl.test/job", "edl.test/replica-type", "edl.test/replica-index"
@@ -451,3 +453,33 @@ def test_the_checkpoint_lags_behind_the_watch_and_falls_back_on_the_inherited_on
     handed_down.observe(61, "400")
     assert handed_down.value(61) == "200"  # the newest handled at least 30 s before
     assert handed_down.annotations(61, lambda: None) == {CHECKPOINT: "200"}
+
+
+CORE = (
+    "controller",
+    "covering",
+    "decide",
+    "dispatch",
+    "memory",
+    "plan",
+    "policy",
+    "port",
+    "replacement",
+    "spec",
+    "status",
+)
+
+
+def test_the_core_loads_no_client_library() -> None:
+    """The pure core (and its in-memory cluster) runs without kubernetes, grpc or urllib3:
+    only the adapters import them. A fresh interpreter, since this one has them loaded."""
+    imports = "; ".join(f"import edl_agent.restarter.{name}" for name in CORE)
+    check = "import sys; print(sorted({'kubernetes', 'grpc', 'urllib3'} & set(sys.modules)))"
+    out = subprocess.run(
+        [sys.executable, "-c", f"{imports}; {check}"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    assert out.stdout.strip() == "[]"

@@ -40,18 +40,18 @@ from typing import Any, Protocol
 import structlog
 
 from edl_agent.faults.model import Fault, FaultKind, PodRef
-from edl_agent.faults.pod_faults import controller_owned
+from edl_agent.faults.pod_faults import controller_owned, pod_ref
 from edl_agent.kube import ApiError, object_version
 from edl_agent.kube_time import format_micro_time
 from edl_agent.restarter.covering import PolicyIndex
 from edl_agent.restarter.decide import Action, Decision
 from edl_agent.restarter.dispatch import Admission, Dispatch
-from edl_agent.restarter.events import reference
 from edl_agent.restarter.metrics import RestarterMetrics
 from edl_agent.restarter.plan import Plan, Pod, Task, plan, tidy
 from edl_agent.restarter.pod_cache import is_whole
 from edl_agent.restarter.policy import Policy, RestartScope
 from edl_agent.restarter.port import ClusterPort, Conflict, PodView
+from edl_agent.restarter.reference import reference
 from edl_agent.restarter.spec import parse_policy
 from edl_agent.restarter.status import (
     PendingRestart,
@@ -60,7 +60,6 @@ from edl_agent.restarter.status import (
     pod_template,
 )
 from edl_agent.restarter.storm import StormGuard
-from edl_agent.restarter.watchers import pod_ref
 from edl_agent.runtime.backoff import Backoff
 from edl_agent.runtime.bounded import BoundedMap
 from edl_agent.typed import SchemaError

@@ -19,6 +19,7 @@ from kubernetes import client
 from edl_agent.kube import ApiError, call_json
 from edl_agent.kube_time import format_time
 from edl_agent.labels.events import TokenBucket
+from edl_agent.restarter.reference import reference
 
 log = structlog.get_logger(__name__)
 
@@ -26,19 +27,7 @@ COMPONENT = "edl-restarter"
 REPORTING_COMPONENT = "edl.io/restarter"
 MESSAGE_LIMIT = 1024
 
-
-def reference(obj: Mapping[str, Any]) -> dict[str, str]:
-    """The involvedObject for an object as the API returned it."""
-    meta = obj.get("metadata") or {}
-    ref = {
-        "apiVersion": str(obj.get("apiVersion", "")),
-        "kind": str(obj.get("kind", "")),
-        "name": str(meta.get("name", "")),
-        "namespace": str(meta.get("namespace", "")),
-    }
-    if meta.get("uid"):
-        ref["uid"] = str(meta["uid"])
-    return ref
+__all__ = ["EventWriter", "reference"]
 
 
 class EventWriter:

@@ -20,9 +20,8 @@ from typing import Any
 from edl_agent.faults.model import FaultKind, PodRef
 from edl_agent.kube import ApiError
 from edl_agent.kube_time import format_time
-from edl_agent.restarter.actuator import NODE_FAULTS, replacement_pod
 from edl_agent.restarter.port import Conflict, Replacement
-from edl_agent.restarter.watchers import REPLACES_UID_ANNOTATION
+from edl_agent.restarter.replacement import NODE_FAULTS, REPLACES_UID_ANNOTATION, replacement_pod
 
 UNAVAILABLE = 503
 

@@ -48,15 +48,15 @@ from edl_agent.faults.pod_faults import (
 from edl_agent.kube import call_json, object_version, version_number, watch_events
 from edl_agent.kube_watch import WatchLoop
 from edl_agent.restarter.pod_cache import is_whole, slim_pod
+from edl_agent.restarter.replacement import (
+    DELETED_BY_ANNOTATION,
+    REPLACES_UID_ANNOTATION,
+    RESTARTER,
+)
 from edl_agent.runtime.bounded import BoundedMap, BoundedSet
 
 log = structlog.get_logger(__name__)
 
-DELETED_BY_ANNOTATION = "edl.io/deleted-by"
-# The uid of the pod a replacement replaces: made before that pod is deleted, it tells every
-# restarter (this one after a restart too) that the old pod's exit or deletion is ours.
-REPLACES_UID_ANNOTATION = "edl.io/replaces-uid"
-RESTARTER = "edl-restarter"
 WATCH_TIMEOUT = 300
 MAX_RETRY_DELAY = 30.0
 LIST_PAGE = 500
@@ -65,9 +65,9 @@ KEEP_DELETED = 2048
 KEEP_IDS = 100_000
 SOURCE = "restarter"
 
-# `pod_ref` is the controller's too, from here.
 __all__ = [
     "DELETED_BY_ANNOTATION",
+    "REPLACES_UID_ANNOTATION",
     "RESTARTER",
     "ClusterWatcher",
     "ListWatch",

@@ -1,0 +1,95 @@
+"""What a replacement pod is made of, and the marks the restarter leaves on pods (pure: no API
+client). A bare pod is created again under a new name, `<base>-r<count>`, with the same labels
+(but those on the drop list), annotations and spec without the node binding, the restart count
+in annotation `edl.io/restart-count` and env `EDL_RESTART_COUNT` of every container, and for
+node and device faults a required node affinity away from the failed node. The name depends
+only on the count, so a retried replacement finds its pod already there."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from edl_agent.faults.model import FaultKind
+from edl_agent.restarter.settings import DEFAULT_DROP_LABELS, label_dropped
+
+DELETED_BY_ANNOTATION = "edl.io/deleted-by"
+# The uid of the pod a replacement replaces: made before that pod is deleted, it tells every
+# restarter (this one after a restart too) that the old pod's exit or deletion is ours.
+REPLACES_UID_ANNOTATION = "edl.io/replaces-uid"
+RESTARTER = "edl-restarter"
+RESTART_COUNT_ANNOTATION = "edl.io/restart-count"
+BASE_NAME_ANNOTATION = "edl.io/base-name"
+REPLACES_ANNOTATION = "edl.io/replaces"
+RESTART_COUNT_ENV = "EDL_RESTART_COUNT"
+NODE_FAULTS = frozenset({FaultKind.NODE_NOT_READY, FaultKind.DEVICE_UNHEALTHY})
+MAX_BASE = 240
+_POD_META_KEPT = ("labels", "annotations")
+_POD_SPEC_DROPPED = ("nodeName", "ephemeralContainers")
+
+
+def replacement_pod(
+    pod: Mapping[str, Any],
+    *,
+    avoid_node: str | None,
+    drop_labels: Iterable[str] = DEFAULT_DROP_LABELS,
+) -> dict[str, Any]:
+    """The pod to create in place of `pod` (a dict as the API returned it), with its labels but
+    those matching `drop_labels` (keys, or prefixes ending in `*`)."""
+    meta = pod["metadata"]
+    annotations = dict(meta.get("annotations") or {})
+    annotations.pop(DELETED_BY_ANNOTATION, None)
+    count = _int(annotations.get(RESTART_COUNT_ANNOTATION)) + 1
+    base = annotations.get(BASE_NAME_ANNOTATION) or str(meta["name"])
+    annotations.update(
+        {
+            RESTART_COUNT_ANNOTATION: str(count),
+            BASE_NAME_ANNOTATION: base,
+            REPLACES_ANNOTATION: str(meta["name"]),
+            REPLACES_UID_ANNOTATION: str(meta.get("uid", "")),
+        }
+    )
+    new_meta: dict[str, Any] = {k: copy.deepcopy(meta[k]) for k in _POD_META_KEPT if k in meta}
+    new_meta["annotations"] = annotations
+    if new_meta.get("labels"):
+        drop = tuple(drop_labels)
+        new_meta["labels"] = {
+            k: v for k, v in new_meta["labels"].items() if not label_dropped(k, drop)
+        }
+    new_meta["name"] = f"{base[:MAX_BASE].rstrip('-.')}-r{count}"
+    spec = copy.deepcopy(dict(pod.get("spec") or {}))
+    for key in _POD_SPEC_DROPPED:
+        spec.pop(key, None)
+    for key in ("containers", "initContainers"):
+        for container in spec.get(key) or []:
+            env = [e for e in container.get("env") or [] if e.get("name") != RESTART_COUNT_ENV]
+            container["env"] = [*env, {"name": RESTART_COUNT_ENV, "value": str(count)}]
+    if avoid_node:
+        _avoid(spec, avoid_node)
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": new_meta, "spec": spec}
+
+
+def _avoid(spec: dict[str, Any], node: str) -> None:
+    """Add `metadata.name NotIn [node]` to every required node selector term (they are ORed).
+
+    The API server takes exactly one value in a `metadata.name` field requirement, so a pod that
+    avoids a second node gets a second requirement (the requirements of a term are ANDed)."""
+    affinity = spec.setdefault("affinity", {})
+    node_affinity = affinity.setdefault("nodeAffinity", {})
+    required = node_affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
+    terms = required.setdefault("nodeSelectorTerms", [])
+    if not terms:
+        terms.append({})
+    avoided = {"key": "metadata.name", "operator": "NotIn", "values": [node]}
+    for term in terms:
+        fields = term.setdefault("matchFields", [])
+        if avoided not in fields:
+            fields.append(dict(avoided))
+
+
+def _int(text: str | None) -> int:
+    try:
+        return max(0, int(text or 0))
+    except ValueError:
+        return 0
