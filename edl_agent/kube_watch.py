@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 
 import structlog
 
@@ -31,14 +32,22 @@ class WatchLoop:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._response: Closable | None = None
+        self._on_end: Callable[[], None] | None = None
         self._log = structlog.get_logger().bind(part=self.name, **log_context)
 
     def start(self) -> None:
         if self._thread is not None:
             msg = f"{type(self).__name__} already started"
             raise RuntimeError(msg)
-        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._thread = threading.Thread(target=self._run_then_tell, name=self.name, daemon=True)
         self._thread.start()
+
+    def notify_on_end(self, callback: Callable[[], None] | None) -> None:
+        """Call `callback()` when the thread ends (a supervisor's `Watched` waits for it);
+        None forgets it."""
+        self._on_end = callback
+        if callback is not None and self._thread is not None and not self._thread.is_alive():
+            callback()
 
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -75,6 +84,14 @@ class WatchLoop:
 
     def _retry_delay(self, failures_in_row: int) -> float:
         raise NotImplementedError
+
+    def _run_then_tell(self) -> None:
+        try:
+            self._run()
+        finally:
+            on_end = self._on_end
+            if on_end is not None:
+                on_end()
 
     def _run(self) -> None:
         version: str | None = None
