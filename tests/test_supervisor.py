@@ -181,5 +181,7 @@ def test_a_watched_thread_that_tells_its_end_is_restarted_without_polling() -> N
     assert supervisor.statuses()[0].restarts == 1
     stop.set()
     supervisor.join(timeout=5)
+    assert owner.thread is not None
+    owner.thread.join(5)  # the owner's own thread ends on the stop
     assert not owner.alive()
     assert not any(t.name == "part-owned" for t in threading.enumerate())
