@@ -23,6 +23,7 @@ from edl_agent.restarter.covering import PolicyIndex
 from edl_agent.restarter.dispatch import Admission, Dispatch
 from edl_agent.restarter.memory import InMemoryCluster
 from edl_agent.restarter.replacement import REPLACES_UID_ANNOTATION
+from edl_agent.restarter.settings import ControllerSettings
 from edl_agent.restarter.spec import parse_policy
 from edl_agent.restarter.storm import StormGuard
 
@@ -79,7 +80,12 @@ def start(cluster: InMemoryCluster, clock: Clock) -> Iterator[Callable[[], Contr
     running: list[Controller] = []
 
     def make() -> Controller:
-        controller = Controller(port=cluster, pods=cluster, clock=clock, workers=2, tidy_after=0.5)
+        controller = Controller(
+            port=cluster,
+            pods=cluster,
+            clock=clock,
+            settings=ControllerSettings(workers=2, tidy_after_seconds=0.5),
+        )
         for (namespace, _), obj in list(cluster.policies.items()):
             controller.policies_listed(
                 namespace, [cluster.read_policy(namespace, obj["metadata"]["name"])]

@@ -1,15 +1,16 @@
 """core/v1 Events the restarter writes about what it did: on a FaultTolerancePolicy (a pod
 restarted, a restart limit reached) and on its Lease (the storm guard). Best effort: a failed
-Event is logged and dropped, the policy's status is the record. Events are written by a thread
-of their own, so the decisions never wait for them, and a token bucket keeps a burst of faults
-from flooding the API with Events."""
+Event is logged and dropped, the policy's status is the record. Events are written by a
+supervised part of their own (`EventWriter.run`), so the decisions never wait for them, and a
+token bucket keeps a burst of faults from flooding the API with Events."""
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -31,6 +32,8 @@ __all__ = ["EventWriter", "reference"]
 
 
 class EventWriter:
+    name = "events"
+
     def __init__(
         self,
         api: client.ApiClient,
@@ -43,17 +46,22 @@ class EventWriter:
         self._instance = instance
         self._bucket = TokenBucket(capacity=burst, per_second=per_minute / 60)
         self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue(maxsize=burst)
-        self._thread = threading.Thread(target=self._write, name="restarter-events", daemon=True)
         self.dropped = 0
 
-    def start(self) -> None:
-        self._thread.start()
+    def run(self, stop: threading.Event, ready: Callable[[], None]) -> None:
+        """The supervised part that writes the queued Events, until `stop()`."""
+        ready()
+        while (body := self._queue.get()) is not None:
+            try:
+                call_json(self._core.create_namespaced_event, body["metadata"]["namespace"], body)
+            except ApiError as exc:
+                log.warning("could not write an event", reason=body["reason"], error=str(exc))
+        self._queue.put(None)  # a run after this one ends at once too
 
     def stop(self) -> None:
-        """Write what is queued (a few seconds at most), then stop."""
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join(timeout=5)
+        """End the part once what is queued is written (the supervisor's join waits for it)."""
+        with contextlib.suppress(queue.Full):
+            self._queue.put(None, timeout=5)
 
     def emit(self, involved: Mapping[str, str], kind: str, reason: str, message: str) -> None:
         """Queue one Event (`kind` Normal or Warning) about `involved` (see `reference`)."""
@@ -82,10 +90,3 @@ class EventWriter:
             self._queue.put_nowait(body)
         except queue.Full:
             self.dropped += 1
-
-    def _write(self) -> None:
-        while (body := self._queue.get()) is not None:
-            try:
-                call_json(self._core.create_namespaced_event, body["metadata"]["namespace"], body)
-            except ApiError as exc:
-                log.warning("could not write an event", reason=body["reason"], error=str(exc))

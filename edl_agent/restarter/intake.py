@@ -415,12 +415,14 @@ class IntakeServer:
         log.info("fault intake serving", listen=self.listen, port=port, tls=self._tls is not None)
 
     def stop(self, grace: float = 1.0) -> None:
-        if self._server is not None:
-            self._server.stop(grace).wait()
-            self._server = None
-        if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
-            self._executor = None
+        """Stop serving (at most `grace` seconds for the calls in hand); called twice, from two
+        threads even, it stops once."""
+        server, self._server = self._server, None
+        executor, self._executor = self._executor, None
+        if server is not None:
+            server.stop(grace).wait()
+        if executor is not None:
+            executor.shutdown(wait=True, cancel_futures=True)
 
 
 def _abort(context: Any, code: grpc.StatusCode, details: str) -> NoReturn:

@@ -5,7 +5,8 @@ renewal while it leads, the take-over once the holder's record has stood still f
 duration. `on_started` runs when it becomes the leader; when it cannot renew for
 `renew_deadline` (or finds another holder) it stops leading and runs `on_stopped` once — the
 restarter then exits so that its half-done work is never continued beside a new leader. A
-graceful `stop` releases the Lease, so a standby takes over within one retry period.
+graceful `stop` releases the Lease, so a standby takes over within one retry period. The
+elector is a supervised part (`run(stop, ready)`): a crash of it is logged, counted and retried.
 
 While leading, the restarter's own pod carries the label `LEADER_LABEL`: the intake Service
 selects on it, so agents reach the leader only.
@@ -32,6 +33,8 @@ ALREADY_EXISTS = 409
 
 
 class LeaderElector:
+    name = "leader-election"
+
     def __init__(
         self,
         api: client.ApiClient,
@@ -62,7 +65,6 @@ class LeaderElector:
         self._seen: tuple[object, ...] | None = None
         self._seen_at = 0.0
         self._renewed_at = 0.0
-        self._thread = threading.Thread(target=self._run, name="leader-election", daemon=True)
         self._annotations = annotations
         self.inherited: Mapping[str, str] = {}
 
@@ -73,20 +75,11 @@ class LeaderElector:
     def wait_leading(self, timeout: float) -> bool:
         return self._leading.wait(timeout)
 
-    def start(self) -> None:
+    def run(self, stop: threading.Event, ready: Callable[[], None]) -> None:
+        """The supervised part: elect until `stop` (or until leadership is lost)."""
         log.info("waiting for leadership", lease=f"{self.namespace}/{self.name}", id=self.identity)
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Stop electing; a leader releases the Lease (without running `on_stopped`)."""
-        self._stop.set()
-        self._thread.join(timeout=self._retry + 10)
-        if self._leading.is_set():
-            self._leading.clear()
-            self._release()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
+        ready()
+        while not (stop.is_set() or self._stop.is_set()):
             try:
                 self._try_once()
             except ApiError as exc:
@@ -97,8 +90,16 @@ class LeaderElector:
             if self._leading.is_set() and overdue:
                 self._lose("could not renew the lease within the renew deadline")
                 return
-            if self._stop.wait(self._retry):
+            if stop.wait(self._retry):
                 return
+
+    def stop(self) -> None:
+        """Stop electing (once its part has ended); a leader releases the Lease (without
+        running `on_stopped`)."""
+        self._stop.set()
+        if self._leading.is_set():
+            self._leading.clear()
+            self._release()
 
     def _try_once(self) -> None:
         obj = self._read()

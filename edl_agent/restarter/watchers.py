@@ -28,6 +28,7 @@ import functools
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -54,6 +55,7 @@ from edl_agent.restarter.replacement import (
     RESTARTER,
 )
 from edl_agent.runtime.bounded import BoundedMap, BoundedSet
+from edl_agent.runtime.supervisor import Part, Watched
 
 log = structlog.get_logger(__name__)
 
@@ -181,10 +183,13 @@ class ClusterWatcher:
         on_fault: Callable[[Fault], None],
         namespaces: Iterable[str] = (),
         node_grace: float = 40.0,
+        grace_tick: float = 0.5,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
+        """`grace_tick`: how often NotReady nodes are checked against `node_grace`."""
         self._on_fault = on_fault
         self._node_grace = node_grace
+        self._grace_tick = grace_tick
         self._clock = clock
         self._lock = threading.Lock()
         self._pods: dict[str, dict[str, Any]] = {}  # uid → pod
@@ -201,7 +206,6 @@ class ClusterWatcher:
         self._replacers: BoundedMap[str, str] = BoundedMap(KEEP_IDS)
         self._not_ready: dict[str, datetime] = {}  # node → since
         self._nodes: set[str] = set()
-        self._stopping = threading.Event()
         core: Any = client.CoreV1Api(api)
         self._watches: list[ListWatch] = []
         scopes: list[str | None] = [*namespaces] or [None]
@@ -226,24 +230,22 @@ class ClusterWatcher:
                 "nodes", core.list_node, on_list=self._nodes_listed, on_event=self._node_event
             )
         )
-        self._ticker = threading.Thread(target=self._tick, name="node-grace", daemon=True)
 
     # --- lifecycle -----------------------------------------------------------------------
 
-    def start(self) -> None:
-        for watch in self._watches:
-            watch.start()
-        self._ticker.start()
+    def parts(self) -> list[Part]:
+        """The supervised parts: each watch (ready once listed), and the node-grace ticker."""
+        watched: list[Part] = [Watched(w.name, w, is_ready=w.synced.is_set) for w in self._watches]
+        return [*watched, NodeGraceTicker(self.check_grace, self._grace_tick)]
 
     def wait_synced(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         return all(w.synced.wait(max(0.0, deadline - time.monotonic())) for w in self._watches)
 
     def stop(self) -> None:
-        self._stopping.set()
+        """End the watches' threads (their parts end with the supervisor's stop)."""
         for watch in self._watches:
             watch.stop()
-        self._ticker.join(timeout=5)
 
     # --- what the controller asks --------------------------------------------------------
 
@@ -410,10 +412,6 @@ class ClusterWatcher:
             else:
                 self._not_ready.pop(name, None)
 
-    def _tick(self) -> None:
-        while not self._stopping.wait(0.5):
-            self.check_grace()
-
     def check_grace(self) -> None:
         """Fault every pod on a node NotReady for longer than the grace (the ticker's round)."""
         now = self._clock()
@@ -462,3 +460,18 @@ def _bind(method: Lister, namespace: str) -> Lister:
         return method(namespace, **kwargs)
 
     return call
+
+
+@dataclass
+class NodeGraceTicker:
+    """The part that faults the pods of nodes NotReady past the grace, every `interval`
+    seconds. A round that raises kills the part; the supervisor runs it again."""
+
+    check: Callable[[], None]
+    interval: float
+    name: str = "node-grace"
+
+    def run(self, stop: threading.Event, ready: Callable[[], None]) -> None:
+        ready()
+        while not stop.wait(self.interval):
+            self.check()

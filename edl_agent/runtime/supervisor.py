@@ -155,6 +155,12 @@ class Supervisor:
         slot.thread.start()
 
     def _guard(self, slot: _Slot) -> None:
+        try:
+            self._keep_running(slot)
+        finally:  # a BaseException (SystemExit) ends the thread: the part is down for good
+            slot.up, slot.ready = False, False
+
+    def _keep_running(self, slot: _Slot) -> None:
         while not self.stop_event.is_set():
             started = self._clock()
             slot.up, slot.ready = True, False
@@ -181,7 +187,6 @@ class Supervisor:
             delay = slot.backoff.next_delay()
             self._log.info("part restarts", name=slot.part.name, retry_in=round(delay, 2))
             self.stop_event.wait(delay)
-        slot.up, slot.ready = False, False
 
 
 class Wakeable(Protocol):

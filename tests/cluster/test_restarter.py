@@ -501,14 +501,14 @@ def test_a_fault_in_hand_counts_in_the_queue_depth(
     k8s.create_pod("slow-worker-0", node=node, labels=labels("slow", "worker", 0))
     release = threading.Event()
     in_hand = threading.Event()
-    decide = controller._decide_batch
+    decide = controller.deciders.decide_batch
 
     def slow(*args: Any) -> None:
         in_hand.set()
         release.wait(30)
         decide(*args)
 
-    monkeypatch.setattr(controller, "_decide_batch", slow)
+    monkeypatch.setattr(controller.deciders, "decide_batch", slow)
     assert controller.queue_depth() == 0
     exit_pod(k8s, "slow-worker-0", 137)
     assert in_hand.wait(15)
