@@ -13,6 +13,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+import structlog.testing
 
 from edl_agent.faults.model import Fault, FaultKind, PodRef
 from edl_agent.faults.pod_faults import force_deletion_fault
@@ -87,7 +88,7 @@ def start(cluster: InMemoryCluster, clock: Clock) -> Iterator[Callable[[], Contr
             settings=ControllerSettings(workers=2, tidy_after_seconds=0.5),
         )
         for (namespace, _), obj in list(cluster.policies.items()):
-            controller.policies_listed(
+            controller.policies.listed(
                 namespace, [cluster.read_policy(namespace, obj["metadata"]["name"])]
             )
         controller.start()
@@ -489,3 +490,67 @@ def test_the_core_loads_no_client_library() -> None:
         timeout=60,
     )
     assert out.stdout.strip() == "[]"
+
+
+class BrokenTicks(InMemoryCluster):
+    """A cluster whose node counts (read at every dispatcher tick) raise while `broken`."""
+
+    def __init__(self, clock: Clock) -> None:
+        super().__init__(clock)
+        self.broken = threading.Event()
+        self.broken.set()
+
+    def node_counts(self) -> tuple[int, int]:
+        if self.broken.is_set():
+            msg = "the node counts broke"
+            raise RuntimeError(msg)
+        return super().node_counts()
+
+
+def supervised(cluster: InMemoryCluster, clock: Clock, backoff: float) -> Controller:
+    settings = ControllerSettings(
+        workers=2, part_backoff_seconds=backoff, part_backoff_max_seconds=backoff
+    )
+    controller = Controller(port=cluster, pods=cluster, clock=clock, settings=settings)
+    for (namespace, name), _ in list(cluster.policies.items()):
+        controller.policies.listed(namespace, [cluster.read_policy(namespace, name)])
+    controller.start()
+    return controller
+
+
+def dispatcher(controller: Controller) -> tuple[bool, int]:
+    assert controller.supervisor is not None
+    [status] = [s for s in controller.supervisor.statuses() if s.name == "dispatcher"]
+    return status.up, status.restarts
+
+
+def test_a_tick_that_raises_restarts_the_dispatcher_and_the_next_fault_is_decided(
+    clock: Clock,
+) -> None:
+    cluster = BrokenTicks(clock)
+    cluster.add_policy(NS, "p", spec())
+    pod = cluster.add_pod(NS, "a-0", labels=labels("a", 0), status=failed())
+    with structlog.testing.capture_logs() as logs:
+        controller = supervised(cluster, clock, backoff=0.01)
+        try:
+            wait_until(lambda: dispatcher(controller)[1] >= 2)  # died and ran again, twice
+            cluster.broken.clear()
+            wait_until(lambda: controller.ready() == (True, "ok"))
+            controller.accept(exit_fault(pod))
+            wait_until(lambda: names(cluster) == ["a-0-r1"])
+        finally:
+            controller.stop()
+    died = [e for e in logs if e["event"] == "part died" and e.get("name") == "dispatcher"]
+    assert len(died) >= 2
+
+
+def test_the_controller_is_not_ready_while_its_dispatcher_is_down(clock: Clock) -> None:
+    cluster = BrokenTicks(clock)
+    controller = supervised(cluster, clock, backoff=3600)  # down until stopped
+    try:
+        wait_until(lambda: dispatcher(controller) == (False, 1))
+        assert controller.ready() == (False, "parts not ready: dispatcher")
+        assert not controller.workers_alive()
+    finally:
+        controller.stop()
+    assert not [t for t in threading.enumerate() if t.name.startswith("part-")]

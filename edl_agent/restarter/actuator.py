@@ -136,7 +136,7 @@ class Actuator:
         meta = pod["metadata"]
         namespace, name = meta["namespace"], meta["name"]
         if controller_owned(pod):
-            self._delete(pod, force=force)
+            self.delete(pod, force=force)
             log.info("deleted a controller-owned pod", pod=f"{namespace}/{name}", force=force)
             return Replacement(name, None, force)
         avoid = failed_node if fault_kind in NODE_FAULTS and failed_node else None
@@ -151,13 +151,13 @@ class Actuator:
             log.info("replacement exists already", pod=f"{namespace}/{new_name}")
         # No deletion mark: the replacement names this pod's uid, which tells any restarter
         # that its end is ours (one write fewer per restart).
-        self._delete(pod, force=force, mark=False)
+        self.delete(pod, force=force, mark=False)
         log.info(
             "pod replaced", old=f"{namespace}/{name}", new=f"{namespace}/{new_name}", force=force
         )
         return Replacement(name, new_name, force)
 
-    def _delete(self, pod: Mapping[str, Any], *, force: bool, mark: bool = True) -> None:
+    def delete(self, pod: Mapping[str, Any], *, force: bool, mark: bool = True) -> None:
         """Delete `pod` if it is still the pod of that uid; with `mark`, first annotate it as
         deleted by us (a controller-owned pod has no replacement to say so)."""
         meta = pod["metadata"]

@@ -32,12 +32,11 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any, Protocol
+from typing import Protocol
 
 import structlog
 
 from edl_agent.faults.model import Fault
-from edl_agent.faults.pod_faults import pod_ref
 from edl_agent.kube import ApiError
 from edl_agent.restarter.deciders import Deciders
 from edl_agent.restarter.dispatch import Admission, Dispatch
@@ -49,6 +48,7 @@ from edl_agent.restarter.recorded import Recorded
 from edl_agent.restarter.replacer import Replacer
 from edl_agent.restarter.settings import ControllerSettings
 from edl_agent.restarter.storm import StormGuard
+from edl_agent.restarter.storm_watch import StormWatch
 from edl_agent.restarter.templates import GoneTemplates
 from edl_agent.runtime.backoff import Backoff
 from edl_agent.runtime.supervisor import Part, StopSignal, Supervisor
@@ -122,7 +122,7 @@ class Controller:
     ) -> None:
         """`port` and `pods`: the cluster (see `port`; `kube_controller.connect` builds them
         for an API server); `sources` are run and stopped with the controller, and feed it
-        faults (`submit`, `accept`) and policies (`policies_listed`, `policy_event`).
+        faults (`submit`, `accept`) and policies (`policies.listed`, `policies.event`).
         `storm_object`: the object (see `events.reference`) storm Events are about. `clock`
         and `monotonic`: the wall time and the seconds of intervals."""
         self.settings = s = settings or ControllerSettings()
@@ -138,13 +138,14 @@ class Controller:
         self._busy = 0  # faults and tasks in hand (under _lock)
         self.metrics.queue_depth.set_function(self.queue_depth)
         self._stopping: threading.Event = StopSignal()
-        self._supervisor: Supervisor | None = None
+        self.supervisor: Supervisor | None = None
         self._own_supervisor = False
         self._lock = threading.Lock()
         self._progress: dict[str, _Progress] = {}
         self._retries: dict[str, Backoff] = {}
         self._retry = (s.retry_initial_seconds, s.retry_max_seconds)
         self._last_check = 0.0
+        self._storm = StormWatch(pods, self.metrics, self.announce)
         self.policies = PolicyCache(port, clock=clock, monotonic=monotonic)
         self._templates = GoneTemplates(pods, clock=clock, keep=s.keep_templates)
         replacer = Replacer(port=port, pods=pods, templates=self._templates, metrics=self.metrics)
@@ -198,7 +199,7 @@ class Controller:
             self._own_supervisor = True
         else:
             self._stopping = supervisor.stop_event
-        self._supervisor = supervisor
+        self.supervisor = supervisor
         for part in self.parts():
             supervisor.add(part)
         if self._own_supervisor:
@@ -206,11 +207,11 @@ class Controller:
 
     def ready(self) -> tuple[bool, str]:
         """Whether every part runs and is ready (the supervisor's view), and why not."""
-        if self._supervisor is None:
+        if self.supervisor is None:
             return False, "not started"
         if not self.recovered.is_set():
             return False, "listing pods, nodes and policies"
-        return self._supervisor.ready()
+        return self.supervisor.ready()
 
     def wait_synced(self, timeout: float = 30.0) -> bool:
         deadline = self._monotonic() + timeout
@@ -227,16 +228,12 @@ class Controller:
         self.deciders.stop()
         if self._events is not None:
             self._events.stop()
-        if self._supervisor is not None:
-            self._supervisor.join()
+        if self.supervisor is not None:
+            self.supervisor.join()
         with self._lock:
             waiting = list(self._progress)
         for fault_id in waiting:
             self._settle(fault_id, recorded=False, error="the restarter is stopping")
-
-    def knows_policy(self, namespace: str, name: str) -> bool:
-        """Whether the policy watch has seen this policy (valid or not)."""
-        return self.policies.knows(namespace, name)
 
     def queue_depth(self) -> int:
         """Faults waiting for the dispatcher or being dispatched, and pods waiting for a decision
@@ -247,10 +244,10 @@ class Controller:
 
     def workers_alive(self) -> bool:
         """Whether the dispatcher and every decider run."""
-        if self._supervisor is None:
+        if self.supervisor is None:
             return False
         ours = {"dispatcher", *(p.name for p in self.deciders.parts())}
-        return all(s.up for s in self._supervisor.statuses() if s.name in ours)
+        return all(s.up for s in self.supervisor.statuses() if s.name in ours)
 
     def submit(self, fault: Fault) -> None:
         """Queue a fault (the watcher's sink); returns at once."""
@@ -268,12 +265,6 @@ class Controller:
             raise NotRecorded(msg)
         if waiter.error is not None:
             raise NotRecorded(waiter.error)
-
-    def policies_listed(self, namespace: str | None, items: list[dict[str, Any]]) -> None:
-        self.policies.listed(namespace, items)
-
-    def policy_event(self, kind: str, obj: dict[str, Any]) -> None:
-        self.policies.event(kind, obj)
 
     # --- the dispatcher part -------------------------------------------------------------
 
@@ -312,9 +303,11 @@ class Controller:
     def _dispatch_one(self, item: _Item) -> None:
         fault = item.fault
         with self._lock:
-            self._check_storm()
+            released = self._storm.check(self._dispatch)
             admission = self._dispatch.admit(fault, item.waiter, retry=item.retry)
             self.metrics.held_faults.set(len(self._dispatch.held))
+        for again in released:
+            self._queue.put(_Item(again, retry=True))
         if admission is Admission.DUPLICATE:
             log.debug("duplicate fault", fault_id=fault.id)
             _tell(item.waiter, None)
@@ -325,7 +318,7 @@ class Controller:
             log.info("node fault held by the storm guard", fault_id=fault.id, node=fault.node)
             _tell(item.waiter, None)  # node faults are the watcher's: seen again after a restart
             return
-        tasks = self._tasks_of(fault)
+        tasks = self.deciders.tasks_of(fault)
         if not tasks:
             self._settle(fault.id, recorded=True)
             return
@@ -333,29 +326,6 @@ class Controller:
             self._progress[fault.id] = _Progress(len(tasks))
         for task in tasks:
             self.deciders.put(task)
-
-    def _tasks_of(self, fault: Fault) -> list[Task]:
-        tasks = []
-        for ref in fault.pods:
-            pod = self.pods.find_pod(ref)
-            if pod is None or (ref.uid and pod_ref(pod).uid != ref.uid):
-                pod = self._templates.as_deleted(ref)
-            if pod is None:
-                log.info("fault about an unknown pod", fault_id=fault.id, pod=ref.name)
-                continue
-            found = pod_ref(pod)
-            if self.pods.replaced(found):
-                # Ours: its slot has a new pod, and the old one's exit as it is deleted (137)
-                # is no fault of the job's.
-                log.debug("fault about a pod already replaced", fault_id=fault.id, pod=found.name)
-                continue
-            labels = (pod.get("metadata") or {}).get("labels") or {}
-            covering = self.policies.covering(found.namespace, found, labels)
-            if covering is None:
-                log.debug("no policy covers the pod", fault_id=fault.id, pod=found.name)
-                continue
-            tasks.append(Task(fault, pod, found, covering[0]))
-        return tasks
 
     def _settle(self, fault_id: str, *, recorded: bool, error: str | None = None) -> bool:
         """End a fault's handling; whether anybody waited for it."""
@@ -421,8 +391,10 @@ class Controller:
         again (the faults queued wait for it)."""
         now = self._clock()
         with self._lock:
-            self._check_storm()
+            released = self._storm.check(self._dispatch)
             due = self._dispatch.due(now)
+        for fault in released:
+            self._queue.put(_Item(fault, retry=True))
         for fault in due:
             self._queue.put(_Item(fault, retry=True))
         if self._monotonic() - self._last_check >= self.settings.check_every_seconds:
@@ -431,39 +403,6 @@ class Controller:
                 self._recorded.check(now)
             except ApiError as exc:
                 log.warning("checking the policies' pending restarts failed", error=str(exc))
-
-    def _check_storm(self) -> None:
-        """(Under _lock.)"""
-        failing, total = self.pods.node_counts()
-        self.metrics.nodes_not_ready.set(failing)
-        change = self._dispatch.nodes_seen(failing, total, self.pods.node_not_ready)
-        if change is None:
-            return
-        self.metrics.storm_paused.set(1 if change.storming else 0)
-        self.metrics.held_faults.set(len(self._dispatch.held))
-        if change.storming:
-            log.warning("storm guard: node-failure restarts paused", nodes=change.description)
-            self.announce(
-                "Warning",
-                "RestartStormPaused",
-                f"node-failure restarts paused: {change.description}",
-            )
-            return
-        held = len(change.released) + change.dropped
-        log.warning(
-            "storm guard: node-failure restarts resume",
-            held=held,
-            still_failing=len(change.released),
-            nodes=f"{failing} of {total} NotReady",
-        )
-        self.announce(
-            "Normal",
-            "RestartStormOver",
-            f"node-failure restarts resume ({failing} of {total} nodes NotReady); "
-            f"{len(change.released)} of {held} held faults are on nodes still failing",
-        )
-        for fault in change.released:
-            self._queue.put(_Item(fault, retry=True))
 
 
 def _tell(waiter: _Waiter | None, error: str | None) -> None:

@@ -95,6 +95,30 @@ class Deciders:
         for tasks in self._queues:
             tasks.put(None)
 
+    def tasks_of(self, fault: Fault) -> list[Task]:
+        """One task per pod of `fault` that a policy covers (not one we replaced already)."""
+        tasks = []
+        for ref in fault.pods:
+            pod = self._pods.find_pod(ref)
+            if pod is None or (ref.uid and pod_ref(pod).uid != ref.uid):
+                pod = self._templates.as_deleted(ref)
+            if pod is None:
+                log.info("fault about an unknown pod", fault_id=fault.id, pod=ref.name)
+                continue
+            found = pod_ref(pod)
+            if self._pods.replaced(found):
+                # Ours: its slot has a new pod, and the old one's exit as it is deleted (137)
+                # is no fault of the job's.
+                log.debug("fault about a pod already replaced", fault_id=fault.id, pod=found.name)
+                continue
+            labels = (pod.get("metadata") or {}).get("labels") or {}
+            covering = self._policies.covering(found.namespace, found, labels)
+            if covering is None:
+                log.debug("no policy covers the pod", fault_id=fault.id, pod=found.name)
+                continue
+            tasks.append(Task(fault, pod, found, covering[0]))
+        return tasks
+
     def decide(self, tasks: list[Task]) -> None:
         """Decide and record a batch of tasks (of any policies), then act; every task's end is
         told to the `Progress`."""

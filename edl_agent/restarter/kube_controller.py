@@ -24,7 +24,7 @@ from edl_agent.runtime.supervisor import Part, Watched
 
 class PolicyWatch:
     """List+watch of FaultTolerancePolicy objects (in `namespaces`, or all), into the
-    controller's `policies_listed` and `policy_event`."""
+    controller's policy cache (`PolicyCache.listed`, `PolicyCache.event`)."""
 
     def __init__(
         self,
@@ -116,8 +116,8 @@ def connect(
         PolicyWatch(
             api,
             namespaces,
-            on_list=controller.policies_listed,
-            on_event=controller.policy_event,
+            on_list=controller.policies.listed,
+            on_event=controller.policies.event,
         )
     )
     return controller

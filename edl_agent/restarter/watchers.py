@@ -219,16 +219,14 @@ class ClusterWatcher:
                 ListWatch(
                     f"pods/{namespace or '*'}",
                     call,
-                    on_list=functools.partial(self._pods_listed, namespace),
-                    on_event=self._pod_event,
+                    on_list=functools.partial(self.pods_listed, namespace),
+                    on_event=self.pod_event,
                     shrink=slim_pod,
                 )
             )
         self._pod_watches = list(self._watches)
         self._watches.append(
-            ListWatch(
-                "nodes", core.list_node, on_list=self._nodes_listed, on_event=self._node_event
-            )
+            ListWatch("nodes", core.list_node, on_list=self.nodes_listed, on_event=self.node_event)
         )
 
     # --- lifecycle -----------------------------------------------------------------------
@@ -318,7 +316,7 @@ class ClusterWatcher:
 
     # --- pods ----------------------------------------------------------------------------
 
-    def _pods_listed(self, namespace: str | None, items: list[dict[str, Any]]) -> None:
+    def pods_listed(self, namespace: str | None, items: list[dict[str, Any]]) -> None:
         with self._lock:
             for uid, pod in list(self._pods.items()):
                 ref = pod_ref(pod)
@@ -330,7 +328,7 @@ class ClusterWatcher:
         for pod in items:
             self._pod_faults(pod, deleted=False)
 
-    def _pod_event(self, kind: str, pod: dict[str, Any]) -> None:
+    def pod_event(self, kind: str, pod: dict[str, Any]) -> None:
         ref = pod_ref(pod)
         with self._lock:
             cached = self._pods.get(ref.uid)
@@ -390,16 +388,16 @@ class ClusterWatcher:
 
     # --- nodes ---------------------------------------------------------------------------
 
-    def _nodes_listed(self, items: list[dict[str, Any]]) -> None:
+    def nodes_listed(self, items: list[dict[str, Any]]) -> None:
         listed = {str((n.get("metadata") or {}).get("name", "")) for n in items}
         with self._lock:
             # A re-list keeps when a node still NotReady was first seen so: its grace goes on.
             self._not_ready = {n: s for n, s in self._not_ready.items() if n in listed}
             self._nodes.clear()
         for node in items:
-            self._node_event("ADDED", node)
+            self.node_event("ADDED", node)
 
-    def _node_event(self, kind: str, node: dict[str, Any]) -> None:
+    def node_event(self, kind: str, node: dict[str, Any]) -> None:
         name = str((node.get("metadata") or {}).get("name", ""))
         not_ready = kind != "DELETED" and is_not_ready(node)
         with self._lock:

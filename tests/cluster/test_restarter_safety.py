@@ -125,7 +125,7 @@ def test_a_restarter_killed_mid_replacement_finishes_once_when_started_again(
     first = new_controller(k8s_api_client, k8s.namespace)
     calls = {"replace": 0, "delete": 0}
     actuator: Any = first.port
-    replace, delete = actuator.replace, actuator._delete
+    replace, delete = actuator.replace, actuator.delete
 
     def dying_replace(pod: Any, **kwargs: Any) -> Any:
         calls["replace"] += 1
@@ -140,9 +140,9 @@ def test_a_restarter_killed_mid_replacement_finishes_once_when_started_again(
         delete(pod, **kwargs)
 
     actuator.replace = dying_replace
-    actuator._delete = dying_delete
+    actuator.delete = dying_delete
     try:
-        wait_for("the policy", lambda: first.knows_policy(k8s.namespace, "train"), bool, 10)
+        wait_for("the policy", lambda: first.policies.knows(k8s.namespace, "train"), bool, 10)
         exit_pod(k8s, "llm-worker-0", 137)
         wait_for("the first restarter to die", first.workers_alive, lambda alive: not alive)
     finally:
@@ -267,7 +267,7 @@ def test_the_storm_guard_holds_node_restarts_until_the_storm_is_over(
     running.start()
     try:
         assert running.wait_synced(30)
-        wait_for("the policy", lambda: running.knows_policy(k8s.namespace, "train"), bool, 10)
+        wait_for("the policy", lambda: running.policies.knows(k8s.namespace, "train"), bool, 10)
         k8s.core.patch_node(nodes[0], {"metadata": {"labels": {NODE_NOT_READY_LABEL: "true"}}})
         k8s.make_node_not_ready(nodes[1])
         k8s.wait_node_ready(nodes[0], False)
