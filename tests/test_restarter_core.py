@@ -27,24 +27,11 @@ from edl_agent.restarter.replacement import REPLACES_UID_ANNOTATION
 from edl_agent.restarter.settings import ControllerSettings
 from edl_agent.restarter.spec import parse_policy
 from edl_agent.restarter.storm import StormGuard
+from edl_agent.runtime.clock import FakeClock as Clock
 
 NS = "train"
 JOB, TYPE, INDEX = "edl.test/job", "edl.test/replica-type", "edl.test/replica-index"
 START = datetime(2026, 11, 24, 12, 0, tzinfo=UTC)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = START
-        self._lock = threading.Lock()
-
-    def __call__(self) -> datetime:
-        with self._lock:
-            return self.now
-
-    def advance(self, seconds: float) -> None:
-        with self._lock:
-            self.now += timedelta(seconds=seconds)
 
 
 def spec(**extra: Any) -> dict[str, Any]:
@@ -68,7 +55,7 @@ def labels(job: str, index: int, replica_type: str = "worker") -> dict[str, str]
 
 @pytest.fixture
 def clock() -> Clock:
-    return Clock()
+    return Clock(START)
 
 
 @pytest.fixture

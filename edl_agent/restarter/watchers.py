@@ -20,6 +20,10 @@ process is not emitted again (the newest `KEEP_IDS`); one emitted again after a 
 harmless downstream (a fault older than its slot's last restart is stale). Pods the actuator
 deleted itself (annotation `DELETED_BY_ANNOTATION`, or a uid passed to `ignore_uid`) give no
 faults.
+
+`ClusterWatcher.parts()` are supervised parts: each watch (watched through `Watched`, ready once
+listed, its thread's end told at once) and the node-grace ticker (`NodeGraceTicker`), which
+faults the pods of nodes NotReady past the grace every `controller.node_grace_tick_seconds`.
 """
 
 from __future__ import annotations
