@@ -286,12 +286,15 @@ def test_an_exit_kubelet_restarts_in_place_is_recorded_but_not_replaced(
 
 
 def test_a_scope_all_restart_replaces_every_pod_of_the_job_once(
-    cluster: InMemoryCluster, start: Callable[[], Controller]
+    cluster: InMemoryCluster, clock: Clock, start: Callable[[], Controller]
 ) -> None:
     rules = [{"restartPolicy": "ExitCode", "exitCodes": "137", "restartScope": "All"}]
     cluster.add_policy(NS, "p", spec(faultTolerantPolicy=rules))
     pods = [cluster.add_pod(NS, f"a-{i}", labels=labels("a", i), status=failed()) for i in range(3)]
     cluster.add_pod(NS, "b-0", labels=labels("b", 0))
+    # The pods are older than the restart: made in its second they would be its replacements,
+    # and a-1's fault (dispatched before a-1 is replaced) would not be stale.
+    clock.advance(1)
     controller = start()
     controller.accept(exit_fault(pods[0]))
     controller.accept(exit_fault(pods[1]))  # the same restart replaced it: stale
