@@ -274,11 +274,11 @@ def test_the_storm_guard_holds_node_restarts_until_the_storm_is_over(
         wait_for(
             "the RestartStormPaused event", lambda: events(k8s, "RestartStormPaused"), bool, 10
         )
-        assert running.metrics.storm_paused._value.get() == 1
+        assert running.metrics.registry.get_sample_value("edl_restarter_storm_paused") == 1
         time.sleep(2.5)  # past the node grace: without the guard both pods would be replaced
         assert pod_or_none(k8s, "s-worker-0-r1") is None
         assert pod_or_none(k8s, "s-worker-1-r1") is None
-        assert running.metrics.held_faults._value.get() == 2
+        assert running.metrics.registry.get_sample_value("edl_restarter_held_faults") == 2
 
         k8s.make_node_ready(nodes[0])  # one NotReady node left: no storm
         wait_pod(k8s, "s-worker-1-r1", timeout=15)
@@ -289,7 +289,7 @@ def test_the_storm_guard_holds_node_restarts_until_the_storm_is_over(
         time.sleep(1.5)
         assert pod_or_none(k8s, "s-worker-0-r1") is None  # its node came back
         assert k8s.read_pod("s-worker-0").metadata.deletion_timestamp is None
-        assert running.metrics.storm_paused._value.get() == 0
+        assert running.metrics.registry.get_sample_value("edl_restarter_storm_paused") == 0
     finally:
         running.stop()
         api.close()
