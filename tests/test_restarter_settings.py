@@ -522,3 +522,24 @@ def test_only_the_settings_loader_reads_the_environment() -> None:
         and any(word in path.read_text() for word in ("os.environ", "os.getenv"))
     ]
     assert readers == []
+
+
+def test_every_thread_of_the_restarter_is_a_supervised_part() -> None:
+    """Built, not run: what the controller runs while leading, all of it parts (the watches,
+    the node-grace ticker, the Event writer, the dispatcher and one part per decider)."""
+    settings = load(controller={"workers": 3})
+    restarter = Restarter(settings, client.ApiClient(), AGENT_USER)
+    names = [part.name for part in restarter.controller.parts()]
+    assert names == [
+        "watch-pods/*",
+        "watch-nodes",
+        "node-grace",
+        "watch-policies/*",
+        "events",
+        "dispatcher",
+        "decider-0",
+        "decider-1",
+        "decider-2",
+    ]
+    assert restarter.elector is not None
+    assert restarter.elector.name == "leader-election"

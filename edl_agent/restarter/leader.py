@@ -54,7 +54,7 @@ class LeaderElector:
         if not renew_deadline < lease_duration:
             msg = "the renew deadline must be shorter than the lease duration"
             raise ValueError(msg)
-        self.namespace, self.name, self.identity = namespace, name, identity
+        self.namespace, self.lease_name, self.identity = namespace, name, identity
         self._api: Any = client.CoordinationV1Api(api)
         self._duration = max(1, round(lease_duration))
         self._renew_deadline = renew_deadline
@@ -77,13 +77,15 @@ class LeaderElector:
 
     def run(self, stop: threading.Event, ready: Callable[[], None]) -> None:
         """The supervised part: elect until `stop` (or until leadership is lost)."""
-        log.info("waiting for leadership", lease=f"{self.namespace}/{self.name}", id=self.identity)
+        log.info(
+            "waiting for leadership", lease=f"{self.namespace}/{self.lease_name}", id=self.identity
+        )
         ready()
         while not (stop.is_set() or self._stop.is_set()):
             try:
                 self._try_once()
             except ApiError as exc:
-                log.warning("lease access failed", lease=self.name, error=str(exc))
+                log.warning("lease access failed", lease=self.lease_name, error=str(exc))
             except Exception:
                 log.exception("leader election step failed")
             overdue = time.monotonic() - self._renewed_at > self._renew_deadline
@@ -133,28 +135,28 @@ class LeaderElector:
             self._leading.set()
             log.info(
                 "leading",
-                lease=f"{self.namespace}/{self.name}",
+                lease=f"{self.namespace}/{self.lease_name}",
                 id=self.identity,
                 transitions=wanted.transitions,
             )
             self._on_started()
 
     def _lose(self, why: str) -> None:
-        log.error("lost leadership", lease=f"{self.namespace}/{self.name}", reason=why)
+        log.error("lost leadership", lease=f"{self.namespace}/{self.lease_name}", reason=why)
         self._leading.clear()
         self._stop.set()
         self._on_stopped()
 
     def _read(self) -> dict[str, Any] | None:
         try:
-            return call_json(self._api.read_namespaced_lease, self.name, self.namespace)
+            return call_json(self._api.read_namespaced_lease, self.lease_name, self.namespace)
         except ApiError as exc:
             if exc.status == NOT_FOUND:
                 return None
             raise
 
     def _write(self, obj: dict[str, Any] | None, record: LeaseRecord) -> None:
-        metadata: dict[str, Any] = {"name": self.name, "namespace": self.namespace}
+        metadata: dict[str, Any] = {"name": self.lease_name, "namespace": self.namespace}
         annotations = (dict(self.inherited) if not self._leading.is_set() else {}) | dict(
             self._annotations()
         )
@@ -170,7 +172,7 @@ class LeaderElector:
             call_json(self._api.create_namespaced_lease, self.namespace, body)
             return
         metadata["resourceVersion"] = obj["metadata"]["resourceVersion"]
-        call_json(self._api.replace_namespaced_lease, self.name, self.namespace, body)
+        call_json(self._api.replace_namespaced_lease, self.lease_name, self.namespace, body)
 
     def _release(self) -> None:
         try:
@@ -179,9 +181,9 @@ class LeaderElector:
             if obj is None or current is None or current.holder != self.identity:
                 return
             self._write(obj, released(current))
-            log.info("released the lease", lease=f"{self.namespace}/{self.name}")
+            log.info("released the lease", lease=f"{self.namespace}/{self.lease_name}")
         except ApiError as exc:
-            log.warning("could not release the lease", lease=self.name, error=str(exc))
+            log.warning("could not release the lease", lease=self.lease_name, error=str(exc))
 
 
 def _fingerprint(obj: dict[str, Any] | None) -> tuple[object, ...] | None:
