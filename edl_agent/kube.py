@@ -441,20 +441,6 @@ def watch_events(
         response.release_conn()
 
 
-def version_number(version: object) -> int:
-    """A resourceVersion as a number (etcd's revision: a later write has a greater one); 0 when
-    it is not one. Kubernetes calls them opaque; the restarter compares its own API server's."""
-    try:
-        return int(str(version))
-    except ValueError:
-        return 0
-
-
-def object_version(obj: Mapping[str, Any]) -> int:
-    """`version_number` of an object's (as the API returned it) metadata.resourceVersion."""
-    return version_number((obj.get("metadata") or {}).get("resourceVersion"))
-
-
 def call_json(method: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
     """Call a kubernetes client method and return the decoded JSON body; `ApiError` on any
     failure (an HTTP error status, or none: refused, TLS, timeouts)."""

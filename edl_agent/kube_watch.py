@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 
 import structlog
 
@@ -31,14 +32,27 @@ class WatchLoop:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._response: Closable | None = None
+        self._on_end: Callable[[], None] | None = None
+        self._ended = threading.Event()  # of the thread started last
         self._log = structlog.get_logger().bind(part=self.name, **log_context)
 
     def start(self) -> None:
         if self._thread is not None:
             msg = f"{type(self).__name__} already started"
             raise RuntimeError(msg)
-        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._ended = ended = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run_then_tell, args=(ended,), name=self.name, daemon=True
+        )
         self._thread.start()
+
+    def notify_on_end(self, callback: Callable[[], None] | None) -> None:
+        """Call `callback()` when the thread ends (a supervisor's `Watched` waits for it);
+        None forgets it."""
+        self._on_end = callback
+        # The thread marks its end before it reads the callback: one of the two sees the other.
+        if callback is not None and self._thread is not None and self._ended.is_set():
+            callback()
 
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -75,6 +89,15 @@ class WatchLoop:
 
     def _retry_delay(self, failures_in_row: int) -> float:
         raise NotImplementedError
+
+    def _run_then_tell(self, ended: threading.Event) -> None:
+        try:
+            self._run()
+        finally:
+            ended.set()
+            on_end = self._on_end
+            if on_end is not None:
+                on_end()
 
     def _run(self) -> None:
         version: str | None = None

@@ -113,6 +113,8 @@ class Restarter:
         self.pods: dict[str, dict[str, Any]] = {}
         self.received: list[Fault] = []
         self.now = 0.0
+        # Told of every pod the intake looks up in the cache, in order.
+        self.on_lookup: Callable[[PodRef], None] = lambda _ref: None
         self.intake = FaultIntake(
             review=TOKENS.__getitem__,
             agent_user=AGENT,
@@ -126,6 +128,7 @@ class Restarter:
             self.pods[pod["metadata"]["uid"]] = pod
 
     def find_pod(self, ref: PodRef) -> dict[str, Any] | None:
+        self.on_lookup(ref)
         if ref.uid in self.pods:
             return self.pods[ref.uid]
         by_name = (p for p in self.pods.values() if p["metadata"]["name"] == ref.name)
@@ -150,8 +153,7 @@ def test_a_fault_naming_more_pods_than_share_a_device_is_refused_quickly() -> No
     restarter = Restarter()
     restarter.cache(*(worker(i, "node-a") for i in range(MAX_PODS_PER_FAULT)))
     looked_up: list[PodRef] = []
-    find = restarter.find_pod
-    restarter.intake._find_pod = lambda ref: looked_up.append(ref) or find(ref)  # type: ignore[func-returns-value]
+    restarter.on_lookup = looked_up.append
     huge = device_fault(100_000)
     started = time.monotonic()
     [(_, verdict, reason)] = restarter.report("node-a", huge)
@@ -302,13 +304,7 @@ def test_faults_are_judged_then_handed_on_and_remembered_only_once_recorded() ->
     restarter = Restarter(sink=sink)
     pods = [worker(n, "node-a") for n in range(3)]
     restarter.cache(*pods)
-    find = restarter.find_pod
-
-    def looking(ref: PodRef) -> dict[str, Any] | None:
-        order.append(f"judge {ref.name}")
-        return find(ref)
-
-    restarter.intake._find_pod = looking
+    restarter.on_lookup = lambda ref: order.append(f"judge {ref.name}")
     faults = [exit_of(p) for p in pods]
     acks = restarter.report("node-a", *faults, faults[0])  # the first one twice
     assert [verdict for _, verdict, _ in acks] == [ACCEPTED, ACCEPTED, ACCEPTED, DUPLICATE]

@@ -66,7 +66,7 @@ def watcher_faults(*listings: list[dict[str, Any]]) -> list[Fault]:
     faults: list[Fault] = []
     watcher = ClusterWatcher(client.ApiClient(), on_fault=faults.append, clock=lambda: NOW)
     for items in listings:
-        watcher._pods_listed(None, items)
+        watcher.pods_listed(None, items)
     return faults
 
 

@@ -4,6 +4,8 @@ recorded by one controller carried out by the next; API errors delay a fault and
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -11,6 +13,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+import structlog.testing
 
 from edl_agent.faults.model import Fault, FaultKind, PodRef
 from edl_agent.faults.pod_faults import force_deletion_fault
@@ -20,27 +23,15 @@ from edl_agent.restarter.controller import Controller, NotRecorded
 from edl_agent.restarter.covering import PolicyIndex
 from edl_agent.restarter.dispatch import Admission, Dispatch
 from edl_agent.restarter.memory import InMemoryCluster
+from edl_agent.restarter.replacement import REPLACES_UID_ANNOTATION
+from edl_agent.restarter.settings import ControllerSettings
 from edl_agent.restarter.spec import parse_policy
 from edl_agent.restarter.storm import StormGuard
-from edl_agent.restarter.watchers import REPLACES_UID_ANNOTATION
+from edl_agent.runtime.clock import FakeClock as Clock
 
 NS = "train"
 JOB, TYPE, INDEX = "edl.test/job", "edl.test/replica-type", "edl.test/replica-index"
 START = datetime(2026, 11, 24, 12, 0, tzinfo=UTC)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = START
-        self._lock = threading.Lock()
-
-    def __call__(self) -> datetime:
-        with self._lock:
-            return self.now
-
-    def advance(self, seconds: float) -> None:
-        with self._lock:
-            self.now += timedelta(seconds=seconds)
 
 
 def spec(**extra: Any) -> dict[str, Any]:
@@ -64,7 +55,7 @@ def labels(job: str, index: int, replica_type: str = "worker") -> dict[str, str]
 
 @pytest.fixture
 def clock() -> Clock:
-    return Clock()
+    return Clock(START)
 
 
 @pytest.fixture
@@ -77,9 +68,14 @@ def start(cluster: InMemoryCluster, clock: Clock) -> Iterator[Callable[[], Contr
     running: list[Controller] = []
 
     def make() -> Controller:
-        controller = Controller(port=cluster, pods=cluster, clock=clock, workers=2, tidy_after=0.5)
+        controller = Controller(
+            port=cluster,
+            pods=cluster,
+            clock=clock,
+            settings=ControllerSettings(workers=2, tidy_after_seconds=0.5),
+        )
         for (namespace, _), obj in list(cluster.policies.items()):
-            controller.policies_listed(
+            controller.policies.listed(
                 namespace, [cluster.read_policy(namespace, obj["metadata"]["name"])]
             )
         controller.start()
@@ -290,12 +286,15 @@ def test_an_exit_kubelet_restarts_in_place_is_recorded_but_not_replaced(
 
 
 def test_a_scope_all_restart_replaces_every_pod_of_the_job_once(
-    cluster: InMemoryCluster, start: Callable[[], Controller]
+    cluster: InMemoryCluster, clock: Clock, start: Callable[[], Controller]
 ) -> None:
     rules = [{"restartPolicy": "ExitCode", "exitCodes": "137", "restartScope": "All"}]
     cluster.add_policy(NS, "p", spec(faultTolerantPolicy=rules))
     pods = [cluster.add_pod(NS, f"a-{i}", labels=labels("a", i), status=failed()) for i in range(3)]
     cluster.add_pod(NS, "b-0", labels=labels("b", 0))
+    # The pods are older than the restart: made in its second they would be its replacements,
+    # and a-1's fault (dispatched before a-1 is replaced) would not be stale.
+    clock.advance(1)
     controller = start()
     controller.accept(exit_fault(pods[0]))
     controller.accept(exit_fault(pods[1]))  # the same restart replaced it: stale
@@ -451,3 +450,97 @@ def test_the_checkpoint_lags_behind_the_watch_and_falls_back_on_the_inherited_on
     handed_down.observe(61, "400")
     assert handed_down.value(61) == "200"  # the newest handled at least 30 s before
     assert handed_down.annotations(61, lambda: None) == {CHECKPOINT: "200"}
+
+
+CORE = (
+    "controller",
+    "covering",
+    "decide",
+    "dispatch",
+    "memory",
+    "plan",
+    "policy",
+    "port",
+    "replacement",
+    "spec",
+    "status",
+)
+
+
+def test_the_core_loads_no_client_library() -> None:
+    """The pure core (and its in-memory cluster) runs without kubernetes, grpc or urllib3:
+    only the adapters import them. A fresh interpreter, since this one has them loaded."""
+    imports = "; ".join(f"import edl_agent.restarter.{name}" for name in CORE)
+    check = "import sys; print(sorted({'kubernetes', 'grpc', 'urllib3'} & set(sys.modules)))"
+    out = subprocess.run(
+        [sys.executable, "-c", f"{imports}; {check}"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    assert out.stdout.strip() == "[]"
+
+
+class BrokenTicks(InMemoryCluster):
+    """A cluster whose node counts (read at every dispatcher tick) raise while `broken`."""
+
+    def __init__(self, clock: Clock) -> None:
+        super().__init__(clock)
+        self.broken = threading.Event()
+        self.broken.set()
+
+    def node_counts(self) -> tuple[int, int]:
+        if self.broken.is_set():
+            msg = "the node counts broke"
+            raise RuntimeError(msg)
+        return super().node_counts()
+
+
+def supervised(cluster: InMemoryCluster, clock: Clock, backoff: float) -> Controller:
+    settings = ControllerSettings(
+        workers=2, part_backoff_seconds=backoff, part_backoff_max_seconds=backoff
+    )
+    controller = Controller(port=cluster, pods=cluster, clock=clock, settings=settings)
+    for (namespace, name), _ in list(cluster.policies.items()):
+        controller.policies.listed(namespace, [cluster.read_policy(namespace, name)])
+    controller.start()
+    return controller
+
+
+def dispatcher(controller: Controller) -> tuple[bool, int]:
+    assert controller.supervisor is not None
+    [status] = [s for s in controller.supervisor.statuses() if s.name == "dispatcher"]
+    return status.up, status.restarts
+
+
+def test_a_tick_that_raises_restarts_the_dispatcher_and_the_next_fault_is_decided(
+    clock: Clock,
+) -> None:
+    cluster = BrokenTicks(clock)
+    cluster.add_policy(NS, "p", spec())
+    pod = cluster.add_pod(NS, "a-0", labels=labels("a", 0), status=failed())
+    with structlog.testing.capture_logs() as logs:
+        controller = supervised(cluster, clock, backoff=0.01)
+        try:
+            wait_until(lambda: dispatcher(controller)[1] >= 2)  # died and ran again, twice
+            cluster.broken.clear()
+            wait_until(lambda: controller.ready() == (True, "ok"))
+            controller.accept(exit_fault(pod))
+            wait_until(lambda: names(cluster) == ["a-0-r1"])
+        finally:
+            controller.stop()
+    died = [e for e in logs if e["event"] == "part died" and e.get("name") == "dispatcher"]
+    assert len(died) >= 2
+
+
+def test_the_controller_is_not_ready_while_its_dispatcher_is_down(clock: Clock) -> None:
+    cluster = BrokenTicks(clock)
+    controller = supervised(cluster, clock, backoff=3600)  # down until stopped
+    try:
+        wait_until(lambda: dispatcher(controller) == (False, 1))
+        assert controller.ready() == (False, "parts not ready: dispatcher")
+        assert not controller.workers_alive()
+    finally:
+        controller.stop()
+    assert not [t for t in threading.enumerate() if t.name.startswith("part-")]

@@ -82,13 +82,13 @@ def test_a_node_s_grace_runs_on_the_restarter_s_clock_and_a_fault_is_never_older
     ready, down = n1("True"), n1("False")
     replacement = pod()
     replacement["metadata"]["creationTimestamp"] = "2026-05-01T11:59:00Z"
-    watcher._nodes_listed([ready])
-    watcher._pods_listed(None, [replacement])
-    watcher._node_event("MODIFIED", down)  # seen NotReady at NOW
+    watcher.nodes_listed([ready])
+    watcher.pods_listed(None, [replacement])
+    watcher.node_event("MODIFIED", down)  # seen NotReady at NOW
     clock[0] = NOW + timedelta(seconds=39)
     watcher.check_grace()
     assert faults == []  # the grace counts from when the restarter saw it, not from January
-    watcher._nodes_listed([down])  # a re-list keeps that moment
+    watcher.nodes_listed([down])  # a re-list keeps that moment
     clock[0] = NOW + timedelta(seconds=40)
     watcher.check_grace()
     [fault] = faults
@@ -99,7 +99,7 @@ def test_a_node_s_grace_runs_on_the_restarter_s_clock_and_a_fault_is_never_older
 
     late = pod()
     late["metadata"] |= {"uid": "u2", "creationTimestamp": "2026-05-01T12:00:30Z"}
-    watcher._pod_event("ADDED", late)  # landed on the node after it went NotReady
+    watcher.pod_event("ADDED", late)  # landed on the node after it went NotReady
     watcher.check_grace()
     assert faults[-1].pods[0].uid == "u2"
     assert faults[-1].observed_at == datetime(2026, 5, 1, 12, 0, 30, tzinfo=UTC)

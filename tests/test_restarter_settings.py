@@ -8,12 +8,15 @@ import argparse
 import dataclasses
 import json
 import os
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 from kubernetes import client
+from prometheus_client import generate_latest
 
 from edl_agent.cli import main
 from edl_agent.config import load_settings
@@ -404,6 +407,59 @@ def test_the_process_is_built_from_the_settings() -> None:
     assert single.identity  # hostname-random
 
 
+class Breakable:
+    """A part that dies while `broken` is set, and serves until stopped once it is not."""
+
+    name = "breakable"
+
+    def __init__(self) -> None:
+        self.broken = threading.Event()
+        self.broken.set()
+
+    def run(self, stop: threading.Event, ready: Callable[[], None]) -> None:
+        if self.broken.is_set():
+            msg = "broken"
+            raise RuntimeError(msg)
+        ready()
+        stop.wait()
+
+
+def test_readyz_is_false_while_a_critical_part_is_down_and_parts_are_exported() -> None:
+    """Built, not run (no API server): a part of its supervisor that dies keeps /readyz false
+    and shows in edl_part_up and edl_part_restarts_total until it runs again."""
+    tuning = {"part_backoff_seconds": 0.01, "part_backoff_max_seconds": 0.01}
+    settings = load(election={"enabled": False}, intake={"listen": ""}, controller=tuning)
+    restarter = Restarter(settings, client.ApiClient(), AGENT_USER)
+    part = Breakable()
+    restarter.supervisor.add(part)
+    restarter.acting.set()  # as if leading, and done listing
+    restarter.controller.recovered.set()
+    restarter.supervisor.start()
+    try:
+        wait_until(lambda: restarter.supervisor.statuses()[0].restarts >= 2)
+        assert restarter.ready() == (False, "parts not ready: breakable")
+        exported = generate_latest(restarter.metrics.registry).decode()
+        assert 'edl_part_up{part="breakable"} 0.0' in exported
+        assert 'edl_part_restarts_total{part="breakable"}' in exported
+        part.broken.clear()
+        wait_until(lambda: restarter.ready()[0])
+        assert restarter.ready() == (True, f"acting ({restarter.identity})")
+        assert (
+            'edl_part_up{part="breakable"} 1.0'
+            in generate_latest(restarter.metrics.registry).decode()
+        )
+    finally:
+        restarter.stop.set()
+        restarter.supervisor.join()
+
+
+def wait_until(check: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
 @pytest.fixture
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for key in list(os.environ):
@@ -467,3 +523,24 @@ def test_only_the_settings_loader_reads_the_environment() -> None:
         and any(word in path.read_text() for word in ("os.environ", "os.getenv"))
     ]
     assert readers == []
+
+
+def test_every_thread_of_the_restarter_is_a_supervised_part() -> None:
+    """Built, not run: what the controller runs while leading, all of it parts (the watches,
+    the node-grace ticker, the Event writer, the dispatcher and one part per decider)."""
+    settings = load(controller={"workers": 3})
+    restarter = Restarter(settings, client.ApiClient(), AGENT_USER)
+    names = [part.name for part in restarter.controller.parts()]
+    assert names == [
+        "watch-pods/*",
+        "watch-nodes",
+        "node-grace",
+        "watch-policies/*",
+        "events",
+        "dispatcher",
+        "decider-0",
+        "decider-1",
+        "decider-2",
+    ]
+    assert restarter.elector is not None
+    assert restarter.elector.name == "leader-election"

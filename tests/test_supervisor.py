@@ -11,7 +11,7 @@ from collections.abc import Callable
 import structlog.testing
 
 from edl_agent.runtime.backoff import Backoff, backoff_delay
-from edl_agent.runtime.supervisor import Every, Supervisor, Watched
+from edl_agent.runtime.supervisor import Every, StopSignal, Supervisor, Watched
 
 
 class Flaky:
@@ -135,3 +135,53 @@ def test_backoff_doubles_with_jitter_up_to_its_cap_and_resets() -> None:
     backoff.reset()
     assert round(backoff.next_delay(), 3) == 1.0
     assert backoff_delay(1, initial=1.0, maximum=8.0, jitter=0.0) == 0.5
+
+
+def test_a_watched_thread_that_tells_its_end_is_restarted_without_polling() -> None:
+    """An owner that calls back as its thread ends, under a `StopSignal`: the supervisor hears
+    of the end at once although it would look only once an hour."""
+
+    class Owner:
+        def __init__(self) -> None:
+            self.starts = 0
+            self.release = threading.Event()
+            self.thread: threading.Thread | None = None
+            self.on_end: Callable[[], None] | None = None
+
+        def alive(self) -> bool:
+            return self.thread is not None and self.thread.is_alive()
+
+        def notify_on_end(self, callback: Callable[[], None] | None) -> None:
+            self.on_end = callback
+            if callback is not None and not self.alive():
+                callback()
+
+        def restart(self) -> None:
+            self.starts += 1
+            self.thread = threading.Thread(target=self._run, args=(self.starts,), daemon=True)
+            self.thread.start()
+
+        def _run(self, start: int) -> None:
+            if start == 1:
+                self.release.wait()
+            else:
+                stop.wait()
+            if self.on_end is not None:
+                self.on_end()
+
+    stop = StopSignal()
+    owner = Owner()
+    supervisor = Supervisor(stop, initial_backoff=0.01, max_backoff=0.01)
+    supervisor.add(Watched("owned", owner, poll_seconds=3600))
+    supervisor.start()
+    wait_until(lambda: supervisor.ready() == (True, "ok"))
+    owner.release.set()  # the first thread ends
+    wait_until(lambda: owner.starts == 2)
+    wait_until(lambda: supervisor.ready() == (True, "ok"))
+    assert supervisor.statuses()[0].restarts == 1
+    stop.set()
+    supervisor.join(timeout=5)
+    assert owner.thread is not None
+    owner.thread.join(5)  # the owner's own thread ends on the stop
+    assert not owner.alive()
+    assert not any(t.name == "part-owned" for t in threading.enumerate())

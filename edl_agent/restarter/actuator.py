@@ -26,11 +26,30 @@ from edl_agent.faults.pod_faults import controller_owned
 from edl_agent.kube import CONFLICT, NOT_FOUND, ApiError
 from edl_agent.kube import call_json as _call
 from edl_agent.restarter.port import Conflict, Replacement
-from edl_agent.restarter.replacement import NODE_FAULTS, replacement_pod
+from edl_agent.restarter.replacement import (
+    BASE_NAME_ANNOTATION,
+    DELETED_BY_ANNOTATION,
+    NODE_FAULTS,
+    REPLACES_ANNOTATION,
+    REPLACES_UID_ANNOTATION,
+    RESTART_COUNT_ANNOTATION,
+    RESTART_COUNT_ENV,
+    RESTARTER,
+    replacement_pod,
+)
 from edl_agent.restarter.settings import DEFAULT_DROP_LABELS
-from edl_agent.restarter.watchers import DELETED_BY_ANNOTATION, RESTARTER
 
 UNPROCESSABLE = 422
+# The names of a replacement, as the tests and deployments know them from here.
+__all__ = [
+    "BASE_NAME_ANNOTATION",
+    "REPLACES_ANNOTATION",
+    "REPLACES_UID_ANNOTATION",
+    "RESTART_COUNT_ANNOTATION",
+    "RESTART_COUNT_ENV",
+    "Actuator",
+    "replacement_pod",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -117,7 +136,7 @@ class Actuator:
         meta = pod["metadata"]
         namespace, name = meta["namespace"], meta["name"]
         if controller_owned(pod):
-            self._delete(pod, force=force)
+            self.delete(pod, force=force)
             log.info("deleted a controller-owned pod", pod=f"{namespace}/{name}", force=force)
             return Replacement(name, None, force)
         avoid = failed_node if fault_kind in NODE_FAULTS and failed_node else None
@@ -132,13 +151,13 @@ class Actuator:
             log.info("replacement exists already", pod=f"{namespace}/{new_name}")
         # No deletion mark: the replacement names this pod's uid, which tells any restarter
         # that its end is ours (one write fewer per restart).
-        self._delete(pod, force=force, mark=False)
+        self.delete(pod, force=force, mark=False)
         log.info(
             "pod replaced", old=f"{namespace}/{name}", new=f"{namespace}/{new_name}", force=force
         )
         return Replacement(name, new_name, force)
 
-    def _delete(self, pod: Mapping[str, Any], *, force: bool, mark: bool = True) -> None:
+    def delete(self, pod: Mapping[str, Any], *, force: bool, mark: bool = True) -> None:
         """Delete `pod` if it is still the pod of that uid; with `mark`, first annotate it as
         deleted by us (a controller-owned pod has no replacement to say so)."""
         meta = pod["metadata"]

@@ -1,15 +1,16 @@
 """core/v1 Events the restarter writes about what it did: on a FaultTolerancePolicy (a pod
 restarted, a restart limit reached) and on its Lease (the storm guard). Best effort: a failed
-Event is logged and dropped, the policy's status is the record. Events are written by a thread
-of their own, so the decisions never wait for them, and a token bucket keeps a burst of faults
-from flooding the API with Events."""
+Event is logged and dropped, the policy's status is the record. Events are written by a
+supervised part of their own (`EventWriter.run`), so the decisions never wait for them, and a
+token bucket keeps a burst of faults from flooding the API with Events."""
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -19,6 +20,7 @@ from kubernetes import client
 from edl_agent.kube import ApiError, call_json
 from edl_agent.kube_time import format_time
 from edl_agent.rate_limit import TokenBucket
+from edl_agent.restarter.reference import reference
 
 log = structlog.get_logger(__name__)
 
@@ -26,22 +28,12 @@ COMPONENT = "edl-restarter"
 REPORTING_COMPONENT = "edl.io/restarter"
 MESSAGE_LIMIT = 1024
 
-
-def reference(obj: Mapping[str, Any]) -> dict[str, str]:
-    """The involvedObject for an object as the API returned it."""
-    meta = obj.get("metadata") or {}
-    ref = {
-        "apiVersion": str(obj.get("apiVersion", "")),
-        "kind": str(obj.get("kind", "")),
-        "name": str(meta.get("name", "")),
-        "namespace": str(meta.get("namespace", "")),
-    }
-    if meta.get("uid"):
-        ref["uid"] = str(meta["uid"])
-    return ref
+__all__ = ["EventWriter", "reference"]
 
 
 class EventWriter:
+    name = "events"
+
     def __init__(
         self,
         api: client.ApiClient,
@@ -54,17 +46,22 @@ class EventWriter:
         self._instance = instance
         self._bucket = TokenBucket(capacity=burst, per_second=per_minute / 60)
         self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue(maxsize=burst)
-        self._thread = threading.Thread(target=self._write, name="restarter-events", daemon=True)
         self.dropped = 0
 
-    def start(self) -> None:
-        self._thread.start()
+    def run(self, stop: threading.Event, ready: Callable[[], None]) -> None:
+        """The supervised part that writes the queued Events, until `stop()`."""
+        ready()
+        while (body := self._queue.get()) is not None:
+            try:
+                call_json(self._core.create_namespaced_event, body["metadata"]["namespace"], body)
+            except ApiError as exc:
+                log.warning("could not write an event", reason=body["reason"], error=str(exc))
+        self._queue.put(None)  # a run after this one ends at once too
 
     def stop(self) -> None:
-        """Write what is queued (a few seconds at most), then stop."""
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join(timeout=5)
+        """End the part once what is queued is written (the supervisor's join waits for it)."""
+        with contextlib.suppress(queue.Full):
+            self._queue.put(None, timeout=5)
 
     def emit(self, involved: Mapping[str, str], kind: str, reason: str, message: str) -> None:
         """Queue one Event (`kind` Normal or Warning) about `involved` (see `reference`)."""
@@ -93,10 +90,3 @@ class EventWriter:
             self._queue.put_nowait(body)
         except queue.Full:
             self.dropped += 1
-
-    def _write(self) -> None:
-        while (body := self._queue.get()) is not None:
-            try:
-                call_json(self._core.create_namespaced_event, body["metadata"]["namespace"], body)
-            except ApiError as exc:
-                log.warning("could not write an event", reason=body["reason"], error=str(exc))

@@ -42,7 +42,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from concurrent import futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -65,6 +65,7 @@ from edl_agent.restarter.auth import (
     fault_refusal,
 )
 from edl_agent.restarter.evidence import Check, Outcome, check_exit, check_pod
+from edl_agent.restarter.metrics import IntakeCounts
 from edl_agent.restarter.server_tls import CertificateError, ReloadingCertificate
 from edl_agent.runtime.bounded import BoundedMap, BoundedSet
 
@@ -95,16 +96,6 @@ FindPod = Callable[[PodRef], Mapping[str, Any] | None]
 
 class IntakeError(Exception):
     """The intake cannot serve (bad address, unreadable certificate); the message says why."""
-
-
-@dataclass(frozen=True)
-class IntakeCounts:
-    accepted: int = 0
-    duplicates: int = 0
-    refused: Mapping[str, int] = field(default_factory=dict)  # by Refusal value
-    review_errors: int = 0
-    sink_errors: int = 0
-    deferred: int = 0  # answered "retry later": the pod cache did not show it yet
 
 
 @dataclass(frozen=True)
@@ -415,12 +406,14 @@ class IntakeServer:
         log.info("fault intake serving", listen=self.listen, port=port, tls=self._tls is not None)
 
     def stop(self, grace: float = 1.0) -> None:
-        if self._server is not None:
-            self._server.stop(grace).wait()
-            self._server = None
-        if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
-            self._executor = None
+        """Stop serving (at most `grace` seconds for the calls in hand); called twice, from two
+        threads even, it stops once."""
+        server, self._server = self._server, None
+        executor, self._executor = self._executor, None
+        if server is not None:
+            server.stop(grace).wait()
+        if executor is not None:
+            executor.shutdown(wait=True, cancel_futures=True)
 
 
 def _abort(context: Any, code: grpc.StatusCode, details: str) -> NoReturn:

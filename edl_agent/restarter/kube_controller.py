@@ -17,12 +17,14 @@ from edl_agent.restarter.actuator import GROUP, PLURAL, VERSION, Actuator
 from edl_agent.restarter.controller import Controller
 from edl_agent.restarter.events import EventWriter
 from edl_agent.restarter.metrics import RestarterMetrics
+from edl_agent.restarter.settings import ControllerSettings
 from edl_agent.restarter.watchers import ClusterWatcher, ListWatch
+from edl_agent.runtime.supervisor import Part, Watched
 
 
 class PolicyWatch:
     """List+watch of FaultTolerancePolicy objects (in `namespaces`, or all), into the
-    controller's `policies_listed` and `policy_event`."""
+    controller's policy cache (`PolicyCache.listed`, `PolicyCache.event`)."""
 
     def __init__(
         self,
@@ -51,9 +53,9 @@ class PolicyWatch:
                 )
             )
 
-    def start(self) -> None:
-        for watch in self._watches:
-            watch.start()
+    def parts(self) -> list[Part]:
+        """One supervised part per watch, ready once listed."""
+        return [Watched(w.name, w, is_ready=w.synced.is_set) for w in self._watches]
 
     def stop(self) -> None:
         for watch in self._watches:
@@ -72,11 +74,14 @@ def connect(
     drop_labels: Iterable[str] | None = None,
     metrics: RestarterMetrics | None = None,
     events: EventWriter | None = None,
+    settings: ControllerSettings | None = None,
     **options: Any,
 ) -> Controller:
     """A Controller on the API server `api`: pods and nodes (in `namespaces`, or all) watched
     for faults, policies watched, pods replaced by the `Actuator` (keeping labels but
-    `drop_labels`). `options` go to `Controller` (storm, storm_object, workers, clock, ...)."""
+    `drop_labels`). `settings`: the controller's tunables (the node-grace round among them);
+    `options` go to `Controller` (storm, storm_object, clock, ...)."""
+    settings = settings or ControllerSettings()
     namespaces = list(namespaces)
     metrics = metrics or RestarterMetrics()
     controllers: list[Controller] = []
@@ -89,6 +94,7 @@ def connect(
         on_fault=submit,
         namespaces=namespaces,
         node_grace=node_grace,
+        grace_tick=settings.node_grace_tick_seconds,
     )
     actuator = Actuator(
         api,
@@ -102,6 +108,7 @@ def connect(
         sources=[watcher],
         metrics=metrics,
         events=events or EventWriter(api, instance=socket.gethostname()),
+        settings=settings,
         **options,
     )
     controllers.append(controller)
@@ -109,8 +116,8 @@ def connect(
         PolicyWatch(
             api,
             namespaces,
-            on_list=controller.policies_listed,
-            on_event=controller.policy_event,
+            on_list=controller.policies.listed,
+            on_event=controller.policies.event,
         )
     )
     return controller

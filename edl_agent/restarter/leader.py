@@ -5,7 +5,8 @@ renewal while it leads, the take-over once the holder's record has stood still f
 duration. `on_started` runs when it becomes the leader; when it cannot renew for
 `renew_deadline` (or finds another holder) it stops leading and runs `on_stopped` once — the
 restarter then exits so that its half-done work is never continued beside a new leader. A
-graceful `stop` releases the Lease, so a standby takes over within one retry period.
+graceful `stop` releases the Lease, so a standby takes over within one retry period. The
+elector is a supervised part (`run(stop, ready)`): a crash of it is logged, counted and retried.
 
 While leading, the restarter's own pod carries the label `LEADER_LABEL`: the intake Service
 selects on it, so agents reach the leader only.
@@ -32,6 +33,8 @@ ALREADY_EXISTS = 409
 
 
 class LeaderElector:
+    name = "leader-election"
+
     def __init__(
         self,
         api: client.ApiClient,
@@ -51,7 +54,7 @@ class LeaderElector:
         if not renew_deadline < lease_duration:
             msg = "the renew deadline must be shorter than the lease duration"
             raise ValueError(msg)
-        self.namespace, self.name, self.identity = namespace, name, identity
+        self.namespace, self.lease_name, self.identity = namespace, name, identity
         self._api: Any = client.CoordinationV1Api(api)
         self._duration = max(1, round(lease_duration))
         self._renew_deadline = renew_deadline
@@ -62,7 +65,6 @@ class LeaderElector:
         self._seen: tuple[object, ...] | None = None
         self._seen_at = 0.0
         self._renewed_at = 0.0
-        self._thread = threading.Thread(target=self._run, name="leader-election", daemon=True)
         self._annotations = annotations
         self.inherited: Mapping[str, str] = {}
 
@@ -73,32 +75,33 @@ class LeaderElector:
     def wait_leading(self, timeout: float) -> bool:
         return self._leading.wait(timeout)
 
-    def start(self) -> None:
-        log.info("waiting for leadership", lease=f"{self.namespace}/{self.name}", id=self.identity)
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Stop electing; a leader releases the Lease (without running `on_stopped`)."""
-        self._stop.set()
-        self._thread.join(timeout=self._retry + 10)
-        if self._leading.is_set():
-            self._leading.clear()
-            self._release()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
+    def run(self, stop: threading.Event, ready: Callable[[], None]) -> None:
+        """The supervised part: elect until `stop` (or until leadership is lost)."""
+        log.info(
+            "waiting for leadership", lease=f"{self.namespace}/{self.lease_name}", id=self.identity
+        )
+        ready()
+        while not (stop.is_set() or self._stop.is_set()):
             try:
                 self._try_once()
             except ApiError as exc:
-                log.warning("lease access failed", lease=self.name, error=str(exc))
+                log.warning("lease access failed", lease=self.lease_name, error=str(exc))
             except Exception:
                 log.exception("leader election step failed")
             overdue = time.monotonic() - self._renewed_at > self._renew_deadline
             if self._leading.is_set() and overdue:
                 self._lose("could not renew the lease within the renew deadline")
                 return
-            if self._stop.wait(self._retry):
+            if stop.wait(self._retry):
                 return
+
+    def stop(self) -> None:
+        """Stop electing (once its part has ended); a leader releases the Lease (without
+        running `on_stopped`)."""
+        self._stop.set()
+        if self._leading.is_set():
+            self._leading.clear()
+            self._release()
 
     def _try_once(self) -> None:
         obj = self._read()
@@ -132,28 +135,28 @@ class LeaderElector:
             self._leading.set()
             log.info(
                 "leading",
-                lease=f"{self.namespace}/{self.name}",
+                lease=f"{self.namespace}/{self.lease_name}",
                 id=self.identity,
                 transitions=wanted.transitions,
             )
             self._on_started()
 
     def _lose(self, why: str) -> None:
-        log.error("lost leadership", lease=f"{self.namespace}/{self.name}", reason=why)
+        log.error("lost leadership", lease=f"{self.namespace}/{self.lease_name}", reason=why)
         self._leading.clear()
         self._stop.set()
         self._on_stopped()
 
     def _read(self) -> dict[str, Any] | None:
         try:
-            return call_json(self._api.read_namespaced_lease, self.name, self.namespace)
+            return call_json(self._api.read_namespaced_lease, self.lease_name, self.namespace)
         except ApiError as exc:
             if exc.status == NOT_FOUND:
                 return None
             raise
 
     def _write(self, obj: dict[str, Any] | None, record: LeaseRecord) -> None:
-        metadata: dict[str, Any] = {"name": self.name, "namespace": self.namespace}
+        metadata: dict[str, Any] = {"name": self.lease_name, "namespace": self.namespace}
         annotations = (dict(self.inherited) if not self._leading.is_set() else {}) | dict(
             self._annotations()
         )
@@ -169,7 +172,7 @@ class LeaderElector:
             call_json(self._api.create_namespaced_lease, self.namespace, body)
             return
         metadata["resourceVersion"] = obj["metadata"]["resourceVersion"]
-        call_json(self._api.replace_namespaced_lease, self.name, self.namespace, body)
+        call_json(self._api.replace_namespaced_lease, self.lease_name, self.namespace, body)
 
     def _release(self) -> None:
         try:
@@ -178,9 +181,9 @@ class LeaderElector:
             if obj is None or current is None or current.holder != self.identity:
                 return
             self._write(obj, released(current))
-            log.info("released the lease", lease=f"{self.namespace}/{self.name}")
+            log.info("released the lease", lease=f"{self.namespace}/{self.lease_name}")
         except ApiError as exc:
-            log.warning("could not release the lease", lease=self.name, error=str(exc))
+            log.warning("could not release the lease", lease=self.lease_name, error=str(exc))
 
 
 def _fingerprint(obj: dict[str, Any] | None) -> tuple[object, ...] | None:

@@ -11,21 +11,35 @@ edl_restarter_leader                              1 while this replica leads
 edl_restarter_storm_paused                        1 while the storm guard holds restarts
 edl_restarter_nodes_not_ready                     NotReady nodes the watch sees
 edl_restarter_held_faults                         node faults the storm guard holds
+edl_part_up{part}                                 1 while a supervised part runs
+edl_part_restarts_total{part}                     times a part died and was run again
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
-    from edl_agent.restarter.intake import IntakeCounts
+    from edl_agent.runtime.supervisor import PartStatus
+
+
+@dataclass(frozen=True)
+class IntakeCounts:
+    accepted: int = 0
+    duplicates: int = 0
+    refused: Mapping[str, int] = field(default_factory=dict)  # by Refusal value
+    review_errors: int = 0
+    sink_errors: int = 0
+    deferred: int = 0  # answered "retry later": the pod cache did not show it yet
+
 
 # Replacements are created in tens of milliseconds; node faults include the node grace.
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -82,9 +96,40 @@ class RestarterMetrics:
             registry=r,
         )
 
+    def watch_parts(self, statuses: Callable[[], list[PartStatus]]) -> None:
+        """Export the supervisor's parts (read at each scrape), named as the agent's are."""
+        self.registry.register(_PartsCollector(statuses))
+
     def watch_intake(self, counts: Callable[[], IntakeCounts]) -> None:
         """Export the intake's counts (read at each scrape)."""
         self.registry.register(_IntakeCollector(counts))
+
+
+class _PartsCollector(Collector):
+    def __init__(self, statuses: Callable[[], list[PartStatus]]) -> None:
+        self._statuses = statuses
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily(
+            "edl_part_up",
+            "1 while a supervised part of the restarter runs (leader-election, dispatcher, "
+            "decider-<n>, pods/<namespace>, nodes, policies/<namespace>, node-grace, events, "
+            "intake, leader-label), 0 while it waits to be started again.",
+            labels=["part"],
+        )
+        restarts = CounterMetricFamily(
+            "edl_part_restarts",
+            "Times a supervised part of the restarter died and was started again.",
+            labels=["part"],
+        )
+        for status in self._statuses():
+            up.add_metric([status.name], 1 if status.up else 0)
+            restarts.add_metric([status.name], status.restarts)
+        yield up
+        yield restarts
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
 
 
 class _IntakeCollector(Collector):

@@ -1,5 +1,12 @@
-"""The restarter process: metrics and probes always; the controller and the fault intake while
-leading (or always, without leader election). `edl-agent restarter` builds it (cli.py)."""
+"""The restarter process, its composition root: metrics and probes always; the controller and
+the fault intake while leading (or always, without leader election). `edl-agent restarter`
+builds it (cli.py).
+
+Every thread is a part under one `runtime.supervisor.Supervisor`: leader election from the
+start; once leading, the controller's parts (the pod, node and policy watches, the node-grace
+ticker, the Event writer, the dispatcher, the deciders), the intake server and the leader-label
+part. A part that dies is logged, counted (`edl_part_up{part}`, `edl_part_restarts_total{part}`)
+and run again after a backoff; /readyz is false while any of them is down or not ready yet."""
 
 from __future__ import annotations
 
@@ -8,6 +15,8 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +35,7 @@ from edl_agent.restarter.settings import RestarterSettings
 from edl_agent.restarter.storm import StormGuard
 from edl_agent.restarter.watchers import ClusterWatcher
 from edl_agent.runtime.backoff import Backoff
+from edl_agent.runtime.supervisor import StopSignal, Supervisor
 
 logger = structlog.get_logger(__name__)
 
@@ -43,7 +53,14 @@ class Restarter:
         self.identity = election.identity or f"{socket.gethostname()}-{secrets.token_hex(3)}"
         self.pod = (settings.pod_namespace, settings.pod_name)
         self.metrics = RestarterMetrics()
-        self.stop = threading.Event()
+        self.stop = StopSignal()
+        tuning = settings.controller
+        self.supervisor = Supervisor(
+            self.stop,
+            initial_backoff=tuning.part_backoff_seconds,
+            max_backoff=tuning.part_backoff_max_seconds,
+        )
+        self.metrics.watch_parts(self.supervisor.statuses)
         self.exit_code = 0
         self.controller = connect(
             api,
@@ -54,6 +71,7 @@ class Restarter:
             events=EventWriter(api, instance=self.identity),
             storm_object=self._storm_object(),
             drop_labels=settings.replacement.drop_labels,
+            settings=tuning,
         )
         watcher = self.controller.pods
         if not isinstance(watcher, ClusterWatcher):  # connect() wires one
@@ -92,8 +110,6 @@ class Restarter:
             )
         self.checkpoint = Checkpoint()
         self.acting = threading.Event()
-        # Set once the leader's pod carries the label the intake Service selects on.
-        self.labelled = threading.Event()
         self.failed: str | None = None
 
     def _storm_object(self) -> dict[str, str] | None:
@@ -116,7 +132,7 @@ class Restarter:
         metrics_server: MetricsServer | None = None
         address = self.settings.metrics_addr
         if address:
-            metrics_server = MetricsServer(address, self.metrics.registry, ready=self._ready)
+            metrics_server = MetricsServer(address, self.metrics.registry, ready=self.ready)
             try:
                 metrics_server.start()
             except OSError as exc:
@@ -128,14 +144,17 @@ class Restarter:
             else:
                 if all(self.pod):
                     label_own_pod(self.api, *self.pod, leader=False)
-                self.elector.start()
+                self.supervisor.add(self.elector)
+            self.supervisor.start()
             self.stop.wait()
             logger.info("restarter stopping")
         finally:
+            self.stop.set()
             if self.server is not None:
-                self.server.stop()
+                self.server.stop()  # no fault comes in while the controller stops
             if self.acting.is_set():
-                self.controller.stop()
+                self.controller.stop()  # ends its parts and joins the supervisor
+            self.supervisor.join()
             if self.elector is not None:
                 self.elector.stop()
             if metrics_server is not None:
@@ -145,21 +164,18 @@ class Restarter:
         return self.exit_code
 
     def _lead(self) -> None:
+        """Leading (the elector's part calls it, or `run` without election): the controller's
+        parts, the intake and the leader label join the supervisor."""
         self.metrics.leader.set(1)
-        if self.elector is not None and all(self.pod):
-            threading.Thread(target=self._label_as_leader, name="leader-label", daemon=True).start()
         if self.elector is not None:
             self.checkpoint.inherited = self.elector.inherited.get(ANNOTATION)
             self.watcher.replay_pods_from(self.checkpoint.inherited)
-        self.controller.start()
+        self.controller.start(self.supervisor)
         self.acting.set()
         if self.server is not None:
-            try:
-                self.server.start()
-            except IntakeError as exc:
-                self.failed = str(exc)
-                self.stop.set()
-                return
+            self.supervisor.add(IntakePart(self.server, self._fail))
+        if self.elector is not None and all(self.pod):
+            self.supervisor.add(LeaderLabel(self.api, self.pod))
         logger.info(
             "restarter acting",
             namespaces=list(self.settings.namespaces) or "all",
@@ -167,41 +183,89 @@ class Restarter:
             identity=self.identity,
         )
 
+    def _fail(self, why: str) -> None:
+        self.failed = why
+        self.stop.set()
+
     def _lease_annotations(self) -> dict[str, str]:
         """What the leader keeps on the Lease: where the next leader replays pod events from."""
         if not self.acting.is_set():
             return {ANNOTATION: self.checkpoint.inherited} if self.checkpoint.inherited else {}
         return self.checkpoint.annotations(time.monotonic(), self.watcher.pods_version)
 
-    def _label_as_leader(self) -> None:
-        """Label our pod for the intake Service until that works: without the label agents
-        cannot reach this leader (their faults wait in their outboxes), and /readyz says so."""
+    def _lost(self) -> None:
+        self.metrics.leader.set(0)
+        self.exit_code = 1
+        self.stop.set()
+
+    def ready(self) -> tuple[bool, str]:
+        """/readyz: a standby is ready while its elector runs; the leader once it has listed
+        and finished what its predecessor left, and while every part runs and is ready (the
+        watches listed, the intake serving, its pod labelled for the intake Service)."""
+        waiting = [
+            s.name for s in self.supervisor.statuses() if s.critical and not (s.up and s.ready)
+        ]
+        why = f"parts not ready: {', '.join(waiting)}"
+        if self.elector is not None and not self.elector.leading:
+            return (
+                (False, f"standby, but {why}") if waiting else (True, f"standby ({self.identity})")
+            )
+        if not self.acting.is_set():
+            return False, "starting"
+        if not self.controller.recovered.is_set():
+            return False, "listing pods, nodes and policies"
+        if LeaderLabel.name in waiting:
+            return False, "leading, but its pod is not labelled for the intake Service yet"
+        if waiting:
+            return False, why
+        return True, f"acting ({self.identity})"
+
+
+@dataclass
+class IntakePart:
+    """The intake's gRPC server as a supervised part: serving, ready, until the stop. A server
+    that cannot bind (a port taken, a bad certificate) fails the process (`fail`), as a flag
+    naming it would."""
+
+    server: IntakeServer
+    fail: Callable[[str], None]
+    name: str = "intake"
+
+    def run(self, stop: threading.Event, ready: Callable[[], None]) -> None:
+        try:
+            self.server.start()
+        except IntakeError as exc:
+            self.fail(str(exc))
+            return
+        try:
+            ready()
+            stop.wait()
+        finally:
+            self.server.stop()
+
+
+@dataclass
+class LeaderLabel:
+    """Labels the leader's pod for the intake Service until that works, then is ready and waits
+    for the stop: without the label agents cannot reach this leader (their faults wait in their
+    outboxes), and /readyz says so."""
+
+    api: Any
+    pod: tuple[str, str]
+    name: str = "leader-label"
+
+    def run(self, stop: threading.Event, ready: Callable[[], None]) -> None:
         backoff = Backoff(LABEL_RETRY_SECONDS, LABEL_RETRY_MAX_SECONDS)
-        while not self.stop.is_set():
+        while not stop.is_set():
             try:
                 done = label_own_pod(self.api, *self.pod, leader=True)
             except Exception as exc:  # no answer at all (a connection refused): try again
                 logger.warning("could not label the restarter's pod", error=str(exc))
                 done = False
             if done:
-                self.labelled.set()
                 if backoff.failures:
                     logger.info("restarter pod labelled for the intake", tries=backoff.failures + 1)
+                ready()
+                stop.wait()
                 return
-            self.stop.wait(backoff.next_delay())
-
-    def _lost(self) -> None:
-        self.metrics.leader.set(0)
-        self.exit_code = 1
-        self.stop.set()
-
-    def _ready(self) -> tuple[bool, str]:
-        if self.elector is not None and not self.elector.leading:
-            return True, f"standby ({self.identity})"
-        if not self.acting.is_set():
-            return False, "starting"
-        if not self.controller.recovered.is_set():
-            return False, "listing pods, nodes and policies"
-        if self.elector is not None and all(self.pod) and not self.labelled.is_set():
-            return False, "leading, but its pod is not labelled for the intake Service yet"
-        return True, f"acting ({self.identity})"
+            stop.wait(backoff.next_delay())

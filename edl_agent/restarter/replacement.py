@@ -1,5 +1,9 @@
-"""The pod made in place of a failed bare pod, and the annotations that tie the two together.
-Pure: the actuator creates it through the API, the in-memory cluster (`memory`) in a dict."""
+"""What a replacement pod is made of, and the marks the restarter leaves on pods (pure: no API
+client). A bare pod is created again under a new name, `<base>-r<count>`, with the same labels
+(but those on the drop list), annotations and spec without the node binding, the restart count
+in annotation `edl.io/restart-count` and env `EDL_RESTART_COUNT` of every container, and for
+node and device faults a required node affinity away from the failed node. The name depends
+only on the count, so a retried replacement finds its pod already there."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ DELETED_BY_ANNOTATION = "edl.io/deleted-by"
 # The uid of the pod a replacement replaces: made before that pod is deleted, it tells every
 # restarter (this one after a restart too) that the old pod's exit or deletion is ours.
 REPLACES_UID_ANNOTATION = "edl.io/replaces-uid"
+RESTARTER = "edl-restarter"
 RESTART_COUNT_ANNOTATION = "edl.io/restart-count"
 BASE_NAME_ANNOTATION = "edl.io/base-name"
 REPLACES_ANNOTATION = "edl.io/replaces"

@@ -38,6 +38,8 @@ LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
 MAX_NODE_GRACE_SECONDS = 7 * 86400
 MAX_LEASE_SECONDS = 3600.0  # client-go's default is 15 s; an hour without a leader is no election
 MAX_STORM_MIN_NODES = 1_000_000
+MAX_COUNT = 1_000_000
+MAX_TUNING_SECONDS = 86400.0
 
 # Labels that a controller or tool stamps on one particular pod. A replacement is a bare pod of
 # its own (a controller-owned pod is only deleted, for its owner to recreate), so it must not
@@ -193,6 +195,79 @@ class ReplacementSettings:
 
 
 @dataclass(frozen=True)
+class ControllerSettings:
+    workers: int = setting(
+        16,
+        "Decider parts: the faults of one policy are decided in order by one of them, "
+        "different policies in parallel.",
+    )
+    batch: int = setting(512, "The most pods one decider decides together (one status write).")
+    decide_attempts: int = setting(
+        5, "Tries to record a batch's decisions when the policy keeps changing under it."
+    )
+    sync_timeout_seconds: float = setting(
+        300.0, "How long the dispatcher waits for the watches to list before deciding anyway."
+    )
+    tick_seconds: float = setting(
+        0.2,
+        "The dispatcher's round when no fault comes: due backoffs, the storm guard. Short: a "
+        "backoff is carried out this late at most.",
+    )
+    check_every_seconds: float = setting(
+        2.0, "How often recorded restarts are looked at again (carried out again, tidied)."
+    )
+    resume_after_seconds: float = setting(
+        10.0,
+        "A recorded restart whose pods are still there this long after it was decided is "
+        "carried out again (its replacement failed, or the replica that decided it died "
+        "mid-way).",
+    )
+    tidy_after_seconds: float = setting(
+        60.0,
+        "Finished pending restarts leave the status with the policy's next decision; a policy "
+        "without one for this long gets a write of its own for them.",
+    )
+    retry_initial_seconds: float = setting(
+        1.0, "First wait before a watcher's fault that could not be recorded is tried again."
+    )
+    retry_max_seconds: float = setting(30.0, "Longest wait between such tries.")
+    keep_templates: int = setting(
+        4096, "Templates of gone pods kept in memory (the policies' status holds them too)."
+    )
+    node_grace_tick_seconds: float = setting(
+        0.5, "How often NotReady nodes are checked against `node_grace_seconds`."
+    )
+    part_backoff_seconds: float = setting(
+        0.5, "First wait before a part that died (a watch, a decider) is run again; doubles."
+    )
+    part_backoff_max_seconds: float = setting(
+        30.0, "Longest wait before a part that died is run again."
+    )
+
+    def check(self) -> None:
+        for key in ("workers", "batch", "decide_attempts", "keep_templates"):
+            value = getattr(self, key)
+            if not 1 <= value <= MAX_COUNT:
+                raise ValueError(f"{key}: expected 1 to {MAX_COUNT}, got {value}")
+        for key in (
+            "sync_timeout_seconds",
+            "tick_seconds",
+            "check_every_seconds",
+            "resume_after_seconds",
+            "tidy_after_seconds",
+            "retry_initial_seconds",
+            "retry_max_seconds",
+            "node_grace_tick_seconds",
+            "part_backoff_seconds",
+            "part_backoff_max_seconds",
+        ):
+            value = getattr(self, key)
+            if not 0 < value <= MAX_TUNING_SECONDS:
+                msg = f"{key}: expected seconds > 0 and at most {MAX_TUNING_SECONDS:g}, got {value}"
+                raise ValueError(msg)
+
+
+@dataclass(frozen=True)
 class RestarterSettings:
     kubeconfig: str = setting(
         "",
@@ -223,6 +298,10 @@ class RestarterSettings:
     )
     replacement: ReplacementSettings = section(
         ReplacementSettings, "The pod made in place of a failed bare pod."
+    )
+    controller: ControllerSettings = section(
+        ControllerSettings,
+        "The controller's inner tunables (rounds, retries, parallelism); the defaults suit.",
     )
     pod_name: str = setting(
         "",

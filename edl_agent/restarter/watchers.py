@@ -20,6 +20,10 @@ process is not emitted again (the newest `KEEP_IDS`); one emitted again after a 
 harmless downstream (a fault older than its slot's last restart is stale). Pods the actuator
 deleted itself (annotation `DELETED_BY_ANNOTATION`, or a uid passed to `ignore_uid`) give no
 faults.
+
+`ClusterWatcher.parts()` are supervised parts: each watch (watched through `Watched`, ready once
+listed, its thread's end told at once) and the node-grace ticker (`NodeGraceTicker`), which
+faults the pods of nodes NotReady past the grace every `controller.node_grace_tick_seconds`.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import functools
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -45,15 +50,20 @@ from edl_agent.faults.pod_faults import (
     pod_ref,
     terminated_phase,
 )
-from edl_agent.kube import call_json, object_version, version_number, watch_events
+from edl_agent.kube import call_json, watch_events
+from edl_agent.kube_objects import object_version, version_number
 from edl_agent.kube_watch import WatchLoop
 from edl_agent.restarter.pod_cache import is_whole, slim_pod
-from edl_agent.restarter.replacement import DELETED_BY_ANNOTATION, REPLACES_UID_ANNOTATION
+from edl_agent.restarter.replacement import (
+    DELETED_BY_ANNOTATION,
+    REPLACES_UID_ANNOTATION,
+    RESTARTER,
+)
 from edl_agent.runtime.bounded import BoundedMap, BoundedSet
+from edl_agent.runtime.supervisor import Part, Watched
 
 log = structlog.get_logger(__name__)
 
-RESTARTER = "edl-restarter"
 WATCH_TIMEOUT = 300
 MAX_RETRY_DELAY = 30.0
 LIST_PAGE = 500
@@ -62,9 +72,9 @@ KEEP_DELETED = 2048
 KEEP_IDS = 100_000
 SOURCE = "restarter"
 
-# `pod_ref` is the controller's too, from here.
 __all__ = [
     "DELETED_BY_ANNOTATION",
+    "REPLACES_UID_ANNOTATION",
     "RESTARTER",
     "ClusterWatcher",
     "ListWatch",
@@ -178,10 +188,13 @@ class ClusterWatcher:
         on_fault: Callable[[Fault], None],
         namespaces: Iterable[str] = (),
         node_grace: float = 40.0,
+        grace_tick: float = 0.5,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
+        """`grace_tick`: how often NotReady nodes are checked against `node_grace`."""
         self._on_fault = on_fault
         self._node_grace = node_grace
+        self._grace_tick = grace_tick
         self._clock = clock
         self._lock = threading.Lock()
         self._pods: dict[str, dict[str, Any]] = {}  # uid → pod
@@ -198,7 +211,6 @@ class ClusterWatcher:
         self._replacers: BoundedMap[str, str] = BoundedMap(KEEP_IDS)
         self._not_ready: dict[str, datetime] = {}  # node → since
         self._nodes: set[str] = set()
-        self._stopping = threading.Event()
         core: Any = client.CoreV1Api(api)
         self._watches: list[ListWatch] = []
         scopes: list[str | None] = [*namespaces] or [None]
@@ -212,35 +224,31 @@ class ClusterWatcher:
                 ListWatch(
                     f"pods/{namespace or '*'}",
                     call,
-                    on_list=functools.partial(self._pods_listed, namespace),
-                    on_event=self._pod_event,
+                    on_list=functools.partial(self.pods_listed, namespace),
+                    on_event=self.pod_event,
                     shrink=slim_pod,
                 )
             )
         self._pod_watches = list(self._watches)
         self._watches.append(
-            ListWatch(
-                "nodes", core.list_node, on_list=self._nodes_listed, on_event=self._node_event
-            )
+            ListWatch("nodes", core.list_node, on_list=self.nodes_listed, on_event=self.node_event)
         )
-        self._ticker = threading.Thread(target=self._tick, name="node-grace", daemon=True)
 
     # --- lifecycle -----------------------------------------------------------------------
 
-    def start(self) -> None:
-        for watch in self._watches:
-            watch.start()
-        self._ticker.start()
+    def parts(self) -> list[Part]:
+        """The supervised parts: each watch (ready once listed), and the node-grace ticker."""
+        watched: list[Part] = [Watched(w.name, w, is_ready=w.synced.is_set) for w in self._watches]
+        return [*watched, NodeGraceTicker(self.check_grace, self._grace_tick)]
 
     def wait_synced(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         return all(w.synced.wait(max(0.0, deadline - time.monotonic())) for w in self._watches)
 
     def stop(self) -> None:
-        self._stopping.set()
+        """End the watches' threads (their parts end with the supervisor's stop)."""
         for watch in self._watches:
             watch.stop()
-        self._ticker.join(timeout=5)
 
     # --- what the controller asks --------------------------------------------------------
 
@@ -313,7 +321,7 @@ class ClusterWatcher:
 
     # --- pods ----------------------------------------------------------------------------
 
-    def _pods_listed(self, namespace: str | None, items: list[dict[str, Any]]) -> None:
+    def pods_listed(self, namespace: str | None, items: list[dict[str, Any]]) -> None:
         with self._lock:
             for uid, pod in list(self._pods.items()):
                 ref = pod_ref(pod)
@@ -325,7 +333,7 @@ class ClusterWatcher:
         for pod in items:
             self._pod_faults(pod, deleted=False)
 
-    def _pod_event(self, kind: str, pod: dict[str, Any]) -> None:
+    def pod_event(self, kind: str, pod: dict[str, Any]) -> None:
         ref = pod_ref(pod)
         with self._lock:
             cached = self._pods.get(ref.uid)
@@ -385,16 +393,16 @@ class ClusterWatcher:
 
     # --- nodes ---------------------------------------------------------------------------
 
-    def _nodes_listed(self, items: list[dict[str, Any]]) -> None:
+    def nodes_listed(self, items: list[dict[str, Any]]) -> None:
         listed = {str((n.get("metadata") or {}).get("name", "")) for n in items}
         with self._lock:
             # A re-list keeps when a node still NotReady was first seen so: its grace goes on.
             self._not_ready = {n: s for n, s in self._not_ready.items() if n in listed}
             self._nodes.clear()
         for node in items:
-            self._node_event("ADDED", node)
+            self.node_event("ADDED", node)
 
-    def _node_event(self, kind: str, node: dict[str, Any]) -> None:
+    def node_event(self, kind: str, node: dict[str, Any]) -> None:
         name = str((node.get("metadata") or {}).get("name", ""))
         not_ready = kind != "DELETED" and is_not_ready(node)
         with self._lock:
@@ -406,10 +414,6 @@ class ClusterWatcher:
                 self._not_ready.setdefault(name, self._clock())
             else:
                 self._not_ready.pop(name, None)
-
-    def _tick(self) -> None:
-        while not self._stopping.wait(0.5):
-            self.check_grace()
 
     def check_grace(self) -> None:
         """Fault every pod on a node NotReady for longer than the grace (the ticker's round)."""
@@ -459,3 +463,18 @@ def _bind(method: Lister, namespace: str) -> Lister:
         return method(namespace, **kwargs)
 
     return call
+
+
+@dataclass
+class NodeGraceTicker:
+    """The part that faults the pods of nodes NotReady past the grace, every `interval`
+    seconds. A round that raises kills the part; the supervisor runs it again."""
+
+    check: Callable[[], None]
+    interval: float
+    name: str = "node-grace"
+
+    def run(self, stop: threading.Event, ready: Callable[[], None]) -> None:
+        ready()
+        while not stop.wait(self.interval):
+            self.check()

@@ -8,6 +8,11 @@ the part has run `HEALTHY_SECONDS`). Waits are on `stop`, so shutdown is never d
 backoff. `statuses()` feeds `edl_part_up{part}` and `edl_part_restarts_total{part}`; `ready()`
 feeds /readyz. Each part has its own thread, so one that hangs (a vendor tool) delays nothing
 else — least of all kubelet's registration.
+
+The supervisor hears of a death from the part itself: its thread is the one the part runs in,
+so a raise or a return is seen at once, with no polling. A thread started elsewhere (`Watched`)
+tells it the same way when its owner offers `notify_on_end` and the stop flag is a
+`StopSignal`; only an owner without them is looked at every `WATCH_SECONDS`.
 """
 
 from __future__ import annotations
@@ -24,6 +29,38 @@ from edl_agent.runtime.backoff import Backoff
 
 HEALTHY_SECONDS = 60.0
 WATCH_SECONDS = 0.5
+
+
+class StopSignal(threading.Event):
+    """A stop flag whose `set()` also sets every `waker()`: a part can wait for its own wake-up
+    and for the stop with one `wait`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._wakes: list[threading.Event] = []
+        self._wakes_lock = threading.Lock()
+
+    def waker(self) -> threading.Event:
+        """A wake-up event of one part, set by `set()` too."""
+        event = threading.Event()
+        with self._wakes_lock:
+            self._wakes.append(event)
+        if self.is_set():
+            event.set()
+        return event
+
+    def forget(self, event: threading.Event) -> None:
+        """A waker no longer waited on (its part ended)."""
+        with self._wakes_lock:
+            if event in self._wakes:
+                self._wakes.remove(event)
+
+    def set(self) -> None:
+        super().set()
+        with self._wakes_lock:
+            wakes = list(self._wakes)
+        for event in wakes:
+            event.set()
 
 
 class Part(Protocol):
@@ -118,6 +155,12 @@ class Supervisor:
         slot.thread.start()
 
     def _guard(self, slot: _Slot) -> None:
+        try:
+            self._keep_running(slot)
+        finally:  # a BaseException (SystemExit) ends the thread: the part is down for good
+            slot.up, slot.ready = False, False
+
+    def _keep_running(self, slot: _Slot) -> None:
         while not self.stop_event.is_set():
             started = self._clock()
             slot.up, slot.ready = True, False
@@ -144,7 +187,6 @@ class Supervisor:
             delay = slot.backoff.next_delay()
             self._log.info("part restarts", name=slot.part.name, retry_in=round(delay, 2))
             self.stop_event.wait(delay)
-        slot.up, slot.ready = False, False
 
 
 class Wakeable(Protocol):
@@ -183,16 +225,45 @@ class Owner(Protocol):
 @dataclass
 class Watched:
     """A part watching an `Owner` that was started elsewhere (it binds a port, say, where the
-    caller wants the error): down when its thread has ended, started again by the supervisor."""
+    caller wants the error): down when its thread has ended, started again by the supervisor.
+
+    An owner with `notify_on_end(callback)` (it calls `callback()` as its thread ends) under a
+    `StopSignal` is waited on, not polled: the part sleeps until the thread ends or the stop.
+    Readiness is still looked at every `poll_seconds` until it is reached."""
 
     name: str
     owner: Owner
     is_ready: Callable[[], bool] = lambda: True
+    poll_seconds: float = WATCH_SECONDS
 
     def run(self, stop: threading.Event, ready: Callable[[], None]) -> None:
+        notify = getattr(self.owner, "notify_on_end", None)
+        if notify is None or not isinstance(stop, StopSignal):
+            self._poll(stop, ready)
+            return
+        wake = stop.waker()
+        try:
+            if not self.owner.alive():
+                self.owner.restart()
+            notify(wake.set)  # at once when it has ended already
+            while not self.is_ready() and self.owner.alive():
+                if wake.wait(self.poll_seconds):
+                    break
+            else:
+                if self.owner.alive():
+                    ready()
+            wake.wait()
+            if not stop.is_set():
+                msg = f"the {self.name} thread ended"
+                raise RuntimeError(msg)
+        finally:
+            notify(None)
+            stop.forget(wake)
+
+    def _poll(self, stop: threading.Event, ready: Callable[[], None]) -> None:
         if not self.owner.alive():
             self.owner.restart()
-        while not stop.wait(WATCH_SECONDS):
+        while not stop.wait(self.poll_seconds):
             if not self.owner.alive():
                 msg = f"the {self.name} thread ended"
                 raise RuntimeError(msg)

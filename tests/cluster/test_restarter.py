@@ -134,7 +134,7 @@ def make_policy(
         made.append(name)
         wait_for(
             f"the controller to see policy {name}",
-            lambda: controller.knows_policy(k8s.namespace, name),
+            lambda: controller.policies.knows(k8s.namespace, name),
             bool,
             timeout=10,
         )
@@ -403,7 +403,7 @@ def test_the_restarter_works_with_only_its_rbac(
             },
         }
         objects.create_namespaced_custom_object(GROUP, VERSION, k8s.namespace, PLURAL, body)
-        wait_for("the policy", lambda: running.knows_policy(k8s.namespace, "train"), bool, 10)
+        wait_for("the policy", lambda: running.policies.knows(k8s.namespace, "train"), bool, 10)
         node = k8s.create_gpu_node().metadata.name
         k8s.create_pod("w-0", node=node, labels=labels("j", "worker", 0))
         k8s.create_pod("w-1", node=node, labels=labels("j", "worker", 1))
@@ -483,7 +483,7 @@ def test_a_pod_that_reuses_the_name_is_neither_tagged_nor_deleted(
     wait_for("the first pod gone", lambda: pod_or_none(k8s, name), lambda pod: pod is None, 15)
     again = k8s.create_pod(name, node=node)
     assert again.metadata.uid != old.metadata.uid
-    Actuator(k8s_api_client)._delete(decided_about, force=True)
+    Actuator(k8s_api_client).delete(decided_about, force=True)
     current = k8s.read_pod(name)
     assert current.metadata.uid == again.metadata.uid
     assert current.metadata.deletion_timestamp is None
@@ -502,14 +502,14 @@ def test_a_fault_in_hand_counts_in_the_queue_depth(
     k8s.create_pod("slow-worker-0", node=node, labels=labels("slow", "worker", 0))
     release = threading.Event()
     in_hand = threading.Event()
-    decide = controller._decide_batch
+    decide = controller.deciders.decide_batch
 
     def slow(*args: Any) -> None:
         in_hand.set()
         release.wait(30)
         decide(*args)
 
-    monkeypatch.setattr(controller, "_decide_batch", slow)
+    monkeypatch.setattr(controller.deciders, "decide_batch", slow)
     assert controller.queue_depth() == 0
     exit_pod(k8s, "slow-worker-0", 137)
     assert in_hand.wait(15)

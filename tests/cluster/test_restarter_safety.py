@@ -125,7 +125,7 @@ def test_a_restarter_killed_mid_replacement_finishes_once_when_started_again(
     first = new_controller(k8s_api_client, k8s.namespace)
     calls = {"replace": 0, "delete": 0}
     actuator: Any = first.port
-    replace, delete = actuator.replace, actuator._delete
+    replace, delete = actuator.replace, actuator.delete
 
     def dying_replace(pod: Any, **kwargs: Any) -> Any:
         calls["replace"] += 1
@@ -140,9 +140,9 @@ def test_a_restarter_killed_mid_replacement_finishes_once_when_started_again(
         delete(pod, **kwargs)
 
     actuator.replace = dying_replace
-    actuator._delete = dying_delete
+    actuator.delete = dying_delete
     try:
-        wait_for("the policy", lambda: first.knows_policy(k8s.namespace, "train"), bool, 10)
+        wait_for("the policy", lambda: first.policies.knows(k8s.namespace, "train"), bool, 10)
         exit_pod(k8s, "llm-worker-0", 137)
         wait_for("the first restarter to die", first.workers_alive, lambda alive: not alive)
     finally:
@@ -267,18 +267,18 @@ def test_the_storm_guard_holds_node_restarts_until_the_storm_is_over(
     running.start()
     try:
         assert running.wait_synced(30)
-        wait_for("the policy", lambda: running.knows_policy(k8s.namespace, "train"), bool, 10)
+        wait_for("the policy", lambda: running.policies.knows(k8s.namespace, "train"), bool, 10)
         k8s.core.patch_node(nodes[0], {"metadata": {"labels": {NODE_NOT_READY_LABEL: "true"}}})
         k8s.make_node_not_ready(nodes[1])
         k8s.wait_node_ready(nodes[0], False)
         wait_for(
             "the RestartStormPaused event", lambda: events(k8s, "RestartStormPaused"), bool, 10
         )
-        assert running.metrics.storm_paused._value.get() == 1
+        assert running.metrics.registry.get_sample_value("edl_restarter_storm_paused") == 1
         time.sleep(2.5)  # past the node grace: without the guard both pods would be replaced
         assert pod_or_none(k8s, "s-worker-0-r1") is None
         assert pod_or_none(k8s, "s-worker-1-r1") is None
-        assert running.metrics.held_faults._value.get() == 2
+        assert running.metrics.registry.get_sample_value("edl_restarter_held_faults") == 2
 
         k8s.make_node_ready(nodes[0])  # one NotReady node left: no storm
         wait_pod(k8s, "s-worker-1-r1", timeout=15)
@@ -289,7 +289,7 @@ def test_the_storm_guard_holds_node_restarts_until_the_storm_is_over(
         time.sleep(1.5)
         assert pod_or_none(k8s, "s-worker-0-r1") is None  # its node came back
         assert k8s.read_pod("s-worker-0").metadata.deletion_timestamp is None
-        assert running.metrics.storm_paused._value.get() == 0
+        assert running.metrics.registry.get_sample_value("edl_restarter_storm_paused") == 0
     finally:
         running.stop()
         api.close()

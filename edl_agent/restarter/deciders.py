@@ -1,0 +1,264 @@
+"""The deciders: `workers` supervised parts, each taking the tasks (one pod of one fault) of the
+policies hashed to it, so the faults of one policy are decided in order while different
+policies proceed in parallel. A decider takes every task waiting for it, decides them together
+against the policy object last seen (`plan`, pure), and records them all with one status write
+carrying the resourceVersion read (on a Conflict it reads the policy and decides again). Only
+then does it act: a Restart goes to the `Replacer`, a Backoff is scheduled with the dispatcher.
+What became of each task is told through the `Progress` callback, never by reaching into the
+dispatcher."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import zlib
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Protocol
+
+import structlog
+
+from edl_agent.faults.model import Fault
+from edl_agent.faults.pod_faults import pod_ref
+from edl_agent.kube_errors import ApiError
+from edl_agent.restarter.decide import Action, Decision
+from edl_agent.restarter.metrics import RestarterMetrics
+from edl_agent.restarter.plan import Plan, Pod, Task, plan
+from edl_agent.restarter.policies import PolicyCache
+from edl_agent.restarter.policy import Policy, RestartScope
+from edl_agent.restarter.port import ClusterPort, Conflict, PodView
+from edl_agent.restarter.reference import reference
+from edl_agent.restarter.replacer import Replacer
+from edl_agent.restarter.templates import GoneTemplates
+
+log = structlog.get_logger(__name__)
+
+
+class Progress(Protocol):
+    """What the deciders tell the dispatcher."""
+
+    def task_done(self, task: Task, *, ok: bool, error: str | None = None) -> None:
+        """A task is recorded (`ok`), or could not be (its fault comes again)."""
+
+    def schedule(self, fault: Fault, until: datetime) -> None:
+        """Look at `fault` again at `until` (a Backoff's second look)."""
+
+    def working(self) -> AbstractContextManager[None]:
+        """Held while a batch is in hand (it counts in the queue depth)."""
+        ...
+
+    def announce(
+        self, kind: str, reason: str, message: str, about: Mapping[str, str] | None = None
+    ) -> None:
+        """An Event (best effort)."""
+
+
+class Deciders:
+    def __init__(
+        self,
+        *,
+        port: ClusterPort,
+        pods: PodView,
+        policies: PolicyCache,
+        templates: GoneTemplates,
+        replacer: Replacer,
+        metrics: RestarterMetrics,
+        progress: Progress,
+        clock: Callable[[], datetime],
+        workers: int,
+        batch: int,
+        attempts: int,
+    ) -> None:
+        self._port, self._pods = port, pods
+        self._policies, self._templates, self._replacer = policies, templates, replacer
+        self._metrics = metrics
+        self._progress = progress
+        self._clock = clock
+        self.batch, self._attempts = batch, attempts
+        self._queues: list[queue.Queue[Task | None]] = [queue.Queue() for _ in range(workers)]
+
+    def parts(self) -> list[Decider]:
+        return [Decider(f"decider-{i}", self, q) for i, q in enumerate(self._queues)]
+
+    def put(self, task: Task) -> None:
+        """Hand a task to the decider of its policy."""
+        key = f"{task.ref.namespace}/{task.policy}".encode()
+        self._queues[zlib.crc32(key) % len(self._queues)].put(task)
+
+    def waiting(self) -> int:
+        return sum(q.qsize() for q in self._queues)
+
+    def stop(self) -> None:
+        """End every decider after what it has in hand."""
+        for tasks in self._queues:
+            tasks.put(None)
+
+    def tasks_of(self, fault: Fault) -> list[Task]:
+        """One task per pod of `fault` that a policy covers (not one we replaced already)."""
+        tasks = []
+        for ref in fault.pods:
+            pod = self._pods.find_pod(ref)
+            if pod is None or (ref.uid and pod_ref(pod).uid != ref.uid):
+                pod = self._templates.as_deleted(ref)
+            if pod is None:
+                log.info("fault about an unknown pod", fault_id=fault.id, pod=ref.name)
+                continue
+            found = pod_ref(pod)
+            if self._pods.replaced(found):
+                # Ours: its slot has a new pod, and the old one's exit as it is deleted (137)
+                # is no fault of the job's.
+                log.debug("fault about a pod already replaced", fault_id=fault.id, pod=found.name)
+                continue
+            labels = (pod.get("metadata") or {}).get("labels") or {}
+            covering = self._policies.covering(found.namespace, found, labels)
+            if covering is None:
+                log.debug("no policy covers the pod", fault_id=fault.id, pod=found.name)
+                continue
+            tasks.append(Task(fault, pod, found, covering[0]))
+        return tasks
+
+    def decide(self, tasks: list[Task]) -> None:
+        """Decide and record a batch of tasks (of any policies), then act; every task's end is
+        told to the `Progress`."""
+        groups: dict[tuple[str, str], list[Task]] = {}
+        for task in tasks:
+            groups.setdefault((task.ref.namespace, task.policy), []).append(task)
+        for (namespace, name), group in groups.items():
+            with self._progress.working():
+                try:
+                    self.decide_batch(namespace, name, group)
+                except Exception:
+                    log.exception("deciding faults failed", policy=f"{namespace}/{name}")
+                    for task in group:
+                        self._progress.task_done(task, ok=False, error="internal error")
+
+    def decide_batch(self, namespace: str, name: str, tasks: list[Task]) -> None:
+        """Decide and record `tasks` (all under policy namespace/name), then act."""
+        error = None
+        obj: dict[str, Any] = {}
+        result = Plan()
+        for attempt in range(self._attempts):
+            now = self._clock()
+            try:
+                obj = self._policies.object(namespace, name, fresh=attempt > 0)
+            except ApiError as exc:
+                error = f"cannot read policy {namespace}/{name}: {exc}"
+                break
+            result = plan(
+                obj,
+                tasks,
+                members=self._members,
+                replaced=self._templates.done,
+                now=now,
+                gone=self._templates.gone,
+            )
+            if result.status is not None:
+                try:
+                    self._policies.written(self._port.write_status(obj, result.status))
+                except Conflict:
+                    log.info("the policy changed; deciding again", policy=name)
+                    continue
+                except ApiError as exc:
+                    error = f"cannot record decisions in {namespace}/{name}: {exc}"
+                    break
+            break
+        else:
+            error = f"policy {namespace}/{name} keeps changing"
+        if error is not None:
+            log.warning("decisions not recorded; their faults come again", error=error)
+            for task in tasks:
+                self._progress.task_done(task, ok=False, error=error)
+            return
+        for task, decision in result.decisions:
+            self._decided(decision, task, name, policy=obj)
+        for task in tasks:
+            self._progress.task_done(task, ok=True)
+        for fault, until in result.backoffs:
+            self._progress.schedule(fault, until)
+        observed = {d.fault.id: d.fault.observed_at for _, d in result.decisions}
+        for pending in result.restarts:
+            self._replacer.replace_all(pending, namespace)
+            elapsed = (self._clock() - observed[pending.fault_id]).total_seconds()
+            self._metrics.fault_to_replacement.labels(str(pending.fault)).observe(max(0.0, elapsed))
+
+    def _members(self, policy: Policy, decision: Decision, pod: Pod) -> list[Pod]:
+        """The other live pods a Restart of `decision.scope` replaces along with `pod`."""
+        identity = decision.pod
+        ref = pod_ref(pod)
+        found = []
+        for other in self._pods.pods_in(ref.namespace):
+            other_ref = pod_ref(other)
+            if other_ref.uid == ref.uid or not self._pods.exists(other_ref):
+                continue
+            if self._pods.replaced(other_ref):  # by us: replaced, or marked and deleted
+                continue
+            labels = (other.get("metadata") or {}).get("labels") or {}
+            placed = policy.identify(other_ref, labels)
+            if placed is None or placed.job != identity.job:
+                continue
+            if (
+                decision.scope is RestartScope.REPLICA
+                and placed.replica_type != identity.replica_type
+            ):
+                continue
+            found.append(other)
+        return sorted(found, key=lambda p: pod_ref(p).name)
+
+    def _decided(
+        self, decision: Decision, task: Task, name: str, policy: Mapping[str, Any]
+    ) -> None:
+        """Log, count and (Restart, LimitExceeded) announce a decision."""
+        action, fault, ref = decision.action, decision.fault, task.ref
+        log.info(
+            "decision",
+            action=str(action),
+            reason=decision.reason,
+            fault_id=fault.id,
+            pod=f"{ref.namespace}/{ref.name}",
+            policy=name,
+        )
+        self._metrics.decisions.labels(str(action), str(fault.kind)).inc()
+        if action is Action.RESTART:
+            self._progress.announce(
+                "Normal",
+                "Restarted",
+                f"{decision.scope} restart of job {decision.pod.job} "
+                f"({ref.namespace}/{ref.name}): {decision.reason}",
+                reference(policy),
+            )
+        elif action is Action.LIMIT_EXCEEDED:
+            self._progress.announce(
+                "Warning",
+                "RestartLimitExceeded",
+                f"job {decision.pod.job} ({ref.namespace}/{ref.name}): {decision.reason}",
+                reference(policy),
+            )
+
+
+@dataclass
+class Decider:
+    """One decider: a supervised part that decides the tasks of the policies hashed to it. A
+    batch that raises is told as not recorded (its faults come again); the part lives on."""
+
+    name: str
+    deciders: Deciders
+    tasks: queue.Queue[Task | None]
+
+    def run(self, stop: threading.Event, ready: Callable[[], None]) -> None:
+        ready()
+        while not stop.is_set() and (first := self.tasks.get()) is not None:
+            batch = [first]
+            while len(batch) < self.deciders.batch:
+                try:
+                    more = self.tasks.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    self.tasks.put(None)
+                    break
+                batch.append(more)
+            if stop.is_set():
+                return
+            self.deciders.decide(batch)
