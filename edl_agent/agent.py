@@ -47,7 +47,12 @@ from edl_agent.health.reset_watch import ResetEvidence
 from edl_agent.health.state import DeviceState, Snapshot
 from edl_agent.health.tracker import Condition, HealthTracker
 from edl_agent.health.vendor_polls import VendorPolls
-from edl_agent.kubelet.podresources import Claimable, PodRef, PodResourcesClient
+from edl_agent.kubelet.podresources import (
+    DEFAULT_TIMEOUT_SECONDS,
+    Claimable,
+    PodRef,
+    PodResourcesClient,
+)
 from edl_agent.labels.cordon import Cordon
 from edl_agent.labels.events import NORMAL, EventSpec
 from edl_agent.metrics.inputs import AgentCounts
@@ -100,6 +105,8 @@ class Agent:
     watched_tick_seconds: float = WATCHED_TICK_SECONDS
     # Reset evidence between events (at least reset_watch.MIN_INTERVAL_SECONDS).
     evidence_seconds: float = 5.0
+    # How long one call to kubelet's pod-resources API may take.
+    pod_resources_timeout: float = DEFAULT_TIMEOUT_SECONDS
 
     def __post_init__(self) -> None:
         settings, health = self.settings, self.settings.health
@@ -134,7 +141,9 @@ class Agent:
             discovery_seconds=time.monotonic() - started,
         )
         self.polls = VendorPolls(self.hub, self.state, self.root, health)
-        self.pods = PodResourcesClient(Path(settings.pod_resources_socket))
+        self.pods = PodResourcesClient(
+            Path(settings.pod_resources_socket), timeout=self.pod_resources_timeout
+        )
         self.remediation = Remediation(
             hub=self.hub,
             state=self.state,

@@ -74,6 +74,7 @@ def running_node(
     *,
     extra: dict[str, Any] | None = None,
     agent_args: dict[str, Any] | None = None,
+    faults: bool = False,
     **plugin: Any,
 ) -> Iterator[Node]:
     profile = load_profile(profile_name)
@@ -94,6 +95,8 @@ def running_node(
     )
     agent = Agent(settings, **(agent_args or {}))
     agent.start_metrics()
+    if faults:
+        agent.start_faults(None)
     thread = threading.Thread(target=agent.run, name="agent")
     thread.start()
     try:
