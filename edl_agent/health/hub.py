@@ -287,6 +287,12 @@ class HealthHub:
                     k: dict(v) for k, v in saved.baselines.items() if k in saved.conditions
                 }
             self._apply([], force=True)
+        self._log.info(
+            "quarantine restored",
+            devices=restored,
+            rebooted_since=rebooted or None,
+            released_by_reboot=(len(saved.conditions) - restored) or None,
+        )
         return restored, rebooted
 
     # --- views

@@ -26,6 +26,7 @@ from edl_agent.health.hub import HealthHub
 from edl_agent.health.model import ClearsBy, Evidence, HealthEvent, Level
 from edl_agent.health.presence import vanished
 from edl_agent.health.state import DeviceState
+from edl_agent.runtime.supervisor import Every
 
 NODE_VANISHED = "NODE_VANISHED"
 DEVICE_GONE = "DEVICE_GONE"
@@ -56,6 +57,20 @@ class InventoryWatch:
         self._gone: frozenset[str] = frozenset()
         self._discovery_failed: frozenset[Vendor] = frozenset()
         self._log = structlog.get_logger().bind(part="inventory")
+
+    def parts(self, waker: Callable[[], threading.Event]) -> list[Every]:
+        """The `presence` and `rediscovery` parts. Device-node presence has no event to wait on:
+        its round is the operator's `plugin.health_poll_seconds`."""
+        plugin = self._settings.plugin
+        return [
+            Every("presence", lambda: plugin.health_poll_seconds, self.check_presence, waker()),
+            Every(
+                "rediscovery",
+                lambda: plugin.rediscover_seconds,
+                self.rediscover_step,
+                self.rediscover_now,
+            ),
+        ]
 
     def check_presence(self) -> None:
         """One presence round (the `presence` part's step)."""

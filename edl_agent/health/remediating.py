@@ -6,6 +6,7 @@ pod-resources API; no answer means no reset (a reset must never touch a held dev
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -31,6 +32,7 @@ from edl_agent.kubelet.podresources import Claimable, PodResourcesClient
 from edl_agent.labels.condition import device_name
 from edl_agent.labels.cordon import RELEASE_DEVICES
 from edl_agent.labels.events import NORMAL, WARNING, EventSpec
+from edl_agent.runtime.supervisor import Every
 
 
 class Remediation:
@@ -58,8 +60,17 @@ class Remediation:
         self.counts: Counter[tuple[str, str]] = Counter()  # (vendor, result)
         self._log = structlog.get_logger().bind(part="remediation")
 
+    def part(self, wake: threading.Event) -> Every:
+        """The `remediation` part: a round every `remediation.interval_seconds`."""
+        self._log.info(
+            "remediation on: idle devices waiting for a reset are reset",
+            vendors=sorted(self._settings.commands),
+            max_per_hour=self._settings.max_per_hour,
+            max_attempts=self._settings.max_attempts,
+        )
+        return Every("remediation", lambda: self._settings.interval_seconds, self.step, wake)
+
     def step(self) -> None:
-        """The part's round."""
         self.remediate(time.monotonic())
 
     def remediate(self, now: float) -> Outcome | None:

@@ -11,13 +11,18 @@ tool reads clean again was reset (conditions that wait for a reboot or a person 
 
 from __future__ import annotations
 
+import functools
+import threading
+from collections.abc import Callable
+
 from edl_agent.config import HealthSettings
 from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.model import Vendor
 from edl_agent.health.hub import HealthHub
 from edl_agent.health.model import DeviceTelemetry
-from edl_agent.health.polled import poll
+from edl_agent.health.polled import POLLERS, poll
 from edl_agent.health.state import DeviceState
+from edl_agent.runtime.supervisor import Every
 
 POLLED_REASON_PREFIXES = ("XPU_", "DCU_", "NPU_")
 
@@ -31,6 +36,20 @@ class VendorPolls:
         self._root = root
         self._settings = settings
         self.telemetry: dict[Vendor, list[DeviceTelemetry]] = {}
+
+    def parts(self, waker: Callable[[], threading.Event]) -> list[Every]:
+        """A `poll-<vendor>` part for each polled vendor on the node."""
+        vendors = [r.vendor for r in self._state.snapshot().inventory.reports]
+        return [
+            Every(
+                f"poll-{vendor.value}",
+                lambda: self._settings.poll_seconds,
+                functools.partial(self.poll, vendor),
+                waker(),
+            )
+            for vendor in vendors
+            if vendor in POLLERS
+        ]
 
     def poll(self, vendor: Vendor) -> None:
         """One poll of one vendor's tool (the step of its part)."""
