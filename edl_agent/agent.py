@@ -55,6 +55,7 @@ from edl_agent.labels.events import EventSpec
 from edl_agent.labels.marks import OperatorMarks
 from edl_agent.metrics.inputs import AgentCounts
 from edl_agent.plugin.manager import PluginManager
+from edl_agent.plugin.presence_round import PresenceRound
 from edl_agent.plugin.round import TICK_SECONDS, WATCHED_TICK_SECONDS, PluginRound
 from edl_agent.runtime.supervisor import Part, Supervisor, Watched
 
@@ -215,8 +216,14 @@ class Agent:
             add(Watched("nvml-watch", self.nvml), critical=False)
         if self.writer is not None:
             add(self.writer, critical=False)
-        parts: list[Part] = [self.round, self.resets, self.quiet]
-        for part in [*parts, *self.inventory.parts(waker), *self.polls.parts(waker)]:
+        presence = PresenceRound(
+            check=self.inventory.check_presence,
+            directories=self.inventory.directories,
+            wake=waker(),
+            poll_seconds=lambda: self.settings.plugin.health_poll_seconds,
+        )
+        parts: list[Part] = [self.round, presence, self.inventory.rediscovery()]
+        for part in [*parts, self.resets, self.quiet, *self.polls.parts(waker)]:
             add(part)
         if health.remediation.enabled:
             add(self.remediation.part(waker()), critical=False)

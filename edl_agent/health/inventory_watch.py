@@ -1,8 +1,9 @@
 """What is on the node, watched: device-node presence and periodic re-discovery.
 
-Presence (`presence` part, every `plugin.health_poll_seconds`): a device whose /dev nodes
-vanished cannot be given to a container, so it is NODE_VANISHED (node fatal) until its nodes are
-back; a change under /dev also runs re-discovery at once. Re-discovery (`rediscovery` part, every
+Presence (`check_presence`, run by the `presence` part of `plugin/presence_round.py` when a
+device directory changes): a device whose /dev nodes vanished cannot be given to a container, so
+it is NODE_VANISHED (node fatal) until its nodes are back; a change under /dev also runs
+re-discovery at once. Re-discovery (`rediscovery` part, every
 `plugin.rediscover_seconds` or when woken) reads the whole node again: new devices are served,
 devices no longer listed are carried forward Unhealthy (DEVICE_GONE) until listed again, and a
 vendor whose discovery fails is a monitor failure (DISCOVERY_FAILED) until it works again. Both
@@ -14,6 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import structlog
 
@@ -58,19 +60,16 @@ class InventoryWatch:
         self._discovery_failed: frozenset[Vendor] = frozenset()
         self._log = structlog.get_logger().bind(part="inventory")
 
-    def parts(self, waker: Callable[[], threading.Event]) -> list[Every]:
-        """The `presence` and `rediscovery` parts. Device-node presence has no event to wait on:
-        its round is the operator's `plugin.health_poll_seconds`."""
-        plugin = self._settings.plugin
-        return [
-            Every("presence", lambda: plugin.health_poll_seconds, self.check_presence, waker()),
-            Every(
-                "rediscovery",
-                lambda: plugin.rediscover_seconds,
-                self.rediscover_step,
-                self.rediscover_now,
-            ),
-        ]
+    def rediscovery(self) -> Every:
+        """The `rediscovery` part."""
+        every = self._settings.plugin.rediscover_seconds
+        return Every("rediscovery", lambda: every, self.rediscover_step, self.rediscover_now)
+
+    def directories(self) -> set[Path]:
+        """The local directories holding the device nodes of the current inventory."""
+        devices = self._state.snapshot().inventory.devices
+        nodes = {node for device in devices for node in device.device_nodes}
+        return {self._root.path(node).parent for node in nodes}
 
     def check_presence(self) -> None:
         """One presence round (the `presence` part's step)."""

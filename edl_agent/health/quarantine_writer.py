@@ -59,4 +59,5 @@ class QuarantineWriter:
             self._wake.clear()
             self.flush()
             if stop.is_set():
+                self.flush()  # what was offered while the last write ran
                 return
