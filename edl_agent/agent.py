@@ -244,7 +244,7 @@ class Agent:
             on_release=self.marks.release,
             monitors=self.hub.monitor_failures,
         )
-        self.hub.subscribe(self.publisher.poke_event, lambda change: change.shown)
+        self.hub.subscribe(self.publisher.poke_event, lambda change: change.shown, keep=False)
         self.publisher.start()
         self.supervisor.add(Watched("node-publisher", self.publisher), critical=False)
 
@@ -259,7 +259,11 @@ class Agent:
                 from edl_agent.dra.publisher import remove_stale_slices
 
                 args = (KubeDraApi(api), self.state.snapshot().inventory.node)
-                threading.Thread(target=remove_stale_slices, args=args, daemon=True).start()
+                cleanup = threading.Thread(
+                    target=remove_stale_slices, args=args, name="dra-cleanup"
+                )
+                cleanup.daemon = True
+                cleanup.start()
             return
         self.dra = DraNode(
             self.settings,
@@ -288,7 +292,7 @@ class Agent:
             report=self.faults.report,
             pod=self.faults.pod,
             wake=self.stop.waker(),
-            # kubelet not answering: asked again at the presence round, as an operator set it
+            # kubelet not answering: asked again every plugin.health_poll_seconds
             retry_seconds=self.settings.plugin.health_poll_seconds,
         )
         self.supervisor.add(self.device_faults, critical=False)

@@ -56,8 +56,12 @@ def test_changes_reach_every_subscription_and_one_not_taking_holds_up_nobody() -
     eager, idle = threading.Event(), threading.Event()
     taken = hub.subscribe(eager, lambda change: bool(change.turned))
     hub.subscribe(idle)  # never taken from
+    poke = threading.Event()
+    looker = hub.subscribe(poke, keep=False)  # only told to look again: nothing piles up
     hub.report(xid("GPU-1", 79))
     assert eager.is_set()
+    assert poke.is_set()
+    assert looker.take() == []
     assert state.snapshot().unhealthy == {"GPU-1"}
     [change] = taken.take()
     assert [device for device, _ in change.turned] == ["GPU-1"]

@@ -56,17 +56,21 @@ class Subscription:
     """A subscriber's queue: the hub `put`s (never blocks), the subscriber `take`s all that
     waits after `wake` (its own event, which the agent's stop sets too) was set."""
 
-    def __init__(self, wake: threading.Event, wants: Callable[[HealthChange], bool]) -> None:
+    def __init__(
+        self, wake: threading.Event, wants: Callable[[HealthChange], bool], *, keep: bool = True
+    ) -> None:
         self.wake = wake
         self._wants = wants
+        self._keep = keep  # False: only `wake` is set (the subscriber reads the hub's views)
         self._lock = threading.Lock()
         self._queue: deque[HealthChange] = deque()
 
     def put(self, change: HealthChange) -> None:
         if not self._wants(change):
             return
-        with self._lock:
-            self._queue.append(change)
+        if self._keep:
+            with self._lock:
+                self._queue.append(change)
         self.wake.set()
 
     def take(self) -> list[HealthChange]:
@@ -112,9 +116,12 @@ class HealthHub:
         self,
         wake: threading.Event,
         wants: Callable[[HealthChange], bool] = lambda change: bool(change.transitions),
+        *,
+        keep: bool = True,
     ) -> Subscription:
-        """A queue of the changes `wants` picks; `wake` is set when one is put."""
-        subscription = Subscription(wake, wants)
+        """A queue of the changes `wants` picks; `wake` is set when one is put (and nothing is
+        kept with `keep=False`, for a subscriber that only needs to look again)."""
+        subscription = Subscription(wake, wants, keep=keep)
         with self._lock:
             self._subscriptions.append(subscription)
         return subscription
@@ -132,22 +139,7 @@ class HealthHub:
             changes = self.tracker.observe(event, devices)
             change = self._apply(changes)
         self._publish(change)
-        if event.level is not Level.IGNORE or changes:
-            # A flood of one fault logs its first line, then one line per interval with the
-            # number held back; the counters count every event.
-            held_back = self._event_log.allow((event.device_id, event.reason, event.cleared))
-            if held_back is not None or changes:
-                self._log.log(
-                    30 if event.level.unhealthy and not event.cleared else 20,
-                    "health event",
-                    vendor=event.vendor.value,
-                    device=event.device_id,
-                    reason=event.reason,
-                    severity=event.level.value,
-                    cleared=event.cleared or None,
-                    detail=event.detail or None,
-                    repeats_not_logged=held_back or None,
-                )
+        _log_event(self._log, self._event_log, event, changed=bool(changes))
 
     def clear(
         self,
@@ -272,21 +264,13 @@ class HealthHub:
     def restore(self, saved: Quarantine) -> tuple[int, bool]:
         """Reopen what an earlier run quarantined (before kubelet is first served): a reboot
         since then ends what a reboot ends. Returns (devices restored, rebooted since)."""
+        kept, baselines, rebooted = _restorable(saved, self.boot_id)
         with self._lock:
-            rebooted = saved.boot_id is not None and self.boot_id not in (None, saved.boot_id)
-            restored = 0
-            for device_id, conditions in saved.conditions.items():
-                kept = [
-                    c for c in conditions if not rebooted or not ends(c.clears_by, Evidence.REBOOT)
-                ]
-                if kept:
-                    self.tracker.restore(device_id, kept)
-                    restored += 1
-            if not rebooted:
-                self._baselines = {
-                    k: dict(v) for k, v in saved.baselines.items() if k in saved.conditions
-                }
+            for device_id, conditions in kept.items():
+                self.tracker.restore(device_id, conditions)
+            self._baselines = dict(baselines)
             self._apply([], force=True)
+        restored = len(kept)
         self._log.info(
             "quarantine restored",
             devices=restored,
@@ -376,15 +360,54 @@ class HealthHub:
 
     def _publish(self, change: HealthChange) -> None:
         for transition in change.transitions:
-            self._log.log(
-                30 if transition.to == UNHEALTHY else 20,
-                "device health changed",
-                device=transition.device_id,
-                to=transition.to,
-                reason=transition.reason,
-                detail=transition.detail or None,
-            )
+            level = 30 if transition.to == UNHEALTHY else 20
+            detail = transition.detail or None
+            self._log.log(level, "device health changed", **_fields(transition), detail=detail)
         with self._lock:
             subscriptions = list(self._subscriptions)
         for subscription in subscriptions:
             subscription.put(change)
+
+
+def _fields(transition: Transition) -> dict[str, str]:
+    return {"device": transition.device_id, "to": transition.to, "reason": transition.reason}
+
+
+def _log_event(
+    log: structlog.stdlib.BoundLogger, limiter: LogLimiter, event: HealthEvent, *, changed: bool
+) -> None:
+    """A flood of one fault logs its first line, then one line per interval with the number held
+    back (the counters count every event)."""
+    if event.level is Level.IGNORE and not changed:
+        return
+    held_back = limiter.allow((event.device_id, event.reason, event.cleared))
+    if held_back is None and not changed:
+        return
+    log.log(
+        30 if event.level.unhealthy and not event.cleared else 20,
+        "health event",
+        vendor=event.vendor.value,
+        device=event.device_id,
+        reason=event.reason,
+        severity=event.level.value,
+        cleared=event.cleared or None,
+        detail=event.detail or None,
+        repeats_not_logged=held_back or None,
+    )
+
+
+def _restorable(
+    saved: Quarantine, boot_id: str | None
+) -> tuple[dict[str, list[Condition]], dict[str, Baseline], bool]:
+    """What of an earlier run's quarantine holds now: a reboot since then (a new boot id) ends
+    what a reboot ends, and its baselines with it. Returns (conditions, baselines, rebooted)."""
+    rebooted = saved.boot_id is not None and boot_id not in (None, saved.boot_id)
+    kept: dict[str, list[Condition]] = {}
+    for device_id, conditions in saved.conditions.items():
+        held = [c for c in conditions if not rebooted or not ends(c.clears_by, Evidence.REBOOT)]
+        if held:
+            kept[device_id] = held
+    baselines: dict[str, Baseline] = {}
+    if not rebooted:
+        baselines = {k: v for k, v in saved.baselines.items() if k in saved.conditions}
+    return kept, baselines, rebooted
