@@ -251,32 +251,17 @@ class Agent:
     def start_dra(self, api: NodeApi | None) -> None:
         """Serve the vendors whose `serve` is `dra` or `both` through DRA (dra/node.py; only
         logged when `api` is None). OSError when its socket or CDI directory cannot be made."""
-        from edl_agent.dra.api import KubeDraApi
-        from edl_agent.dra.node import DraNode, dra_vendors
+        from edl_agent.dra.wiring import start_dra
 
-        if not dra_vendors(self.settings) and not self.settings.plugin.cdi:
-            if api is not None:  # slices a configuration that served DRA left: in the background
-                from edl_agent.dra.publisher import remove_stale_slices
-
-                args = (KubeDraApi(api), self.state.snapshot().inventory.node)
-                cleanup = threading.Thread(
-                    target=remove_stale_slices, args=args, name="dra-cleanup"
-                )
-                cleanup.daemon = True
-                cleanup.start()
-            return
-        self.dra = DraNode(
+        self.dra = start_dra(
             self.settings,
-            self.state,
-            self.root,
-            api=KubeDraApi(api) if api is not None else None,
+            state=self.state,
+            root=self.root,
+            api=api,
             reasons=lambda: {d: c.reason for d, c in self.hub.unhealthy().items()},
             pods=self.pods,
+            supervisor=self.supervisor,
         )
-        self.dra.start()
-        self.supervisor.add(self.dra, critical=False)
-        drivers, registry = sorted(self.dra.servers), self.settings.dra.plugins_registry_dir
-        self._log.info("serving through DRA", drivers=drivers, registry=registry)
 
     def start_faults(self, api: NodeApi | None) -> None:
         """Report faults (faults/reporting.py), and devices that turn Unhealthy while pods hold
