@@ -16,6 +16,7 @@ whose pod-resources API does not answer) holds up only itself.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import Counter
@@ -217,7 +218,7 @@ class Agent:
         if self.writer is not None:
             add(self.writer, critical=False)
         presence = PresenceRound(
-            check=self.inventory.check_presence,
+            check=functools.partial(self._guarded, "presence", self.inventory.check_presence),
             directories=self.inventory.directories,
             wake=waker(),
             poll_seconds=lambda: self.settings.plugin.health_poll_seconds,

@@ -101,9 +101,14 @@ def test_the_quarantine_is_written_on_the_writers_thread_and_a_hung_write_blocks
 def test_the_quiet_part_sleeps_until_the_earliest_quiet_period_ends() -> None:
     now = [100.0]
     hub = HealthHub(DeviceState(INVENTORY), HealthSettings(quiet_seconds=30), boot_id=None)
-    quiet = QuietPeriods(hub, threading.Event(), idle_seconds=300, clock=lambda: now[0])
+    wake = threading.Event()
+    quiet = QuietPeriods(hub, wake, idle_seconds=300, clock=lambda: now[0])
     assert quiet.next_wait() == 300  # nothing quiet: it only waits for the hub
+    hub.report(xid("GPU-0", 31, at=95.0, clears_by=ClearsBy.QUIET))
+    assert wake.is_set()  # a quiet period opened: the part plans again
+    wake.clear()
     hub.report(xid("GPU-0", 31, at=100.0, clears_by=ClearsBy.QUIET))
+    assert not wake.is_set()  # a repeat only pushes the end later: its wait ends, then it looks
     now[0] = 110.0
     assert quiet.next_wait() == 20
     assert hub.expire(now[0]) == []

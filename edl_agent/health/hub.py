@@ -46,7 +46,9 @@ class HealthChange:
 
     transitions: tuple[Transition, ...]
     turned: tuple[tuple[str, Condition], ...] = ()
-    quiet_end: float | None = None  # when the earliest quiet period ends, if any is open
+    # The earliest quiet period now ends sooner than before (or one opened): a repeat that only
+    # pushes it later wakes nobody, so a flood does not spin the quiet-period part.
+    quiet_sooner: bool = False
     # What the node's labels and condition show changed: the unhealthy devices, their reasons,
     # the failing monitors, the cordoned devices.
     shown: bool = False
@@ -105,6 +107,7 @@ class HealthHub:
         self._baselines: dict[str, Baseline] = {}
         self._quarantine_keys: frozenset[tuple[str, str, str]] = frozenset()
         self._subscriptions: list[Subscription] = []
+        self._quiet_end: float | None = None
         self._shown: tuple[frozenset[tuple[str, str]], frozenset[tuple[Vendor, str]]] = (
             frozenset(),
             frozenset(),
@@ -331,8 +334,10 @@ class HealthHub:
             for c in changes
             if c.to == UNHEALTHY and c.device_id in unhealthy
         )
-        quiet_end = self.tracker.next_quiet_end()
-        return HealthChange(tuple(changes), turned, quiet_end, shown=news or refresh)
+        quiet_end, was = self.tracker.next_quiet_end(), self._quiet_end
+        self._quiet_end = quiet_end
+        sooner = quiet_end is not None and (was is None or quiet_end < was)
+        return HealthChange(tuple(changes), turned, quiet_sooner=sooner, shown=news or refresh)
 
     def _offer_quarantine(self, *, force: bool) -> None:
         """Hand the quarantine to the writer when what is quarantined changed. Repeats of an

@@ -16,7 +16,7 @@ MIN_WAIT_SECONDS = 0.01
 
 
 def _quiet(change: HealthChange) -> bool:
-    return change.quiet_end is not None
+    return change.quiet_sooner
 
 
 class QuietPeriods:
