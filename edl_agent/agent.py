@@ -52,6 +52,7 @@ from edl_agent.kubelet.podresources import (
     PodResourcesClient,
     Units,
 )
+from edl_agent.labels.cordon import RELEASE_DEVICES
 from edl_agent.labels.events import EventSpec
 from edl_agent.labels.marks import OperatorMarks
 from edl_agent.metrics.inputs import AgentCounts
@@ -151,7 +152,8 @@ class Agent:
             settings=health,
             pods=self.pods,
             claimable=self._claimable,
-            announce=self._announce,
+            announce=lambda kind, reason, message: self._announce(EventSpec(kind, reason, message)),
+            release_annotation=RELEASE_DEVICES,
         )
         self.resets = ResetEvidence(
             self.hub, self.root, waker(), interval=lambda: self.evidence_seconds
@@ -294,7 +296,7 @@ class Agent:
             root=self.root,
             state=self.state,
             polled=self.polls.all_telemetry,
-            health_counts=self.hub.counts,
+            hub=self.hub,
             agent_counts=self.agent_counts,
             pods=lambda: self.pods.pod_devices(*self._holders_query()),
             ready=self.ready,

@@ -19,6 +19,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 import structlog
 
@@ -34,9 +35,9 @@ from edl_agent.health.reset_evidence import check_resets, waiting_for_reset
 from edl_agent.health.state import DeviceState
 from edl_agent.health.tracker import UNHEALTHY, Condition, HealthTracker, Transition
 from edl_agent.log_limit import LogLimiter
-from edl_agent.metrics.inputs import HealthCounts
 
 EVENT_LOG_SECONDS = 10.0
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -296,22 +297,10 @@ class HealthHub:
         with self._lock:
             return self.tracker.next_quiet_end()
 
-    def counts(self) -> HealthCounts:
+    def read(self, view: Callable[[HealthTracker], T]) -> T:
+        """`view` of the tracker, read under the hub's lock (it must not keep the tracker)."""
         with self._lock:
-            counts = self.tracker.counts
-            failing = self.tracker.monitor_failures()
-            inventory = self.state.snapshot().inventory
-            return HealthCounts(
-                xid_errors=dict(counts.xid_errors),
-                transitions=dict(counts.transitions),
-                events=dict(counts.events),
-                quarantined=frozenset(
-                    (device_id, c.reason, c.clears_by.value)
-                    for device_id in self.tracker.unhealthy(inventory.devices)
-                    for c in self.tracker.conditions(device_id)
-                ),
-                monitors={r.vendor.value: r.vendor not in failing for r in inventory.reports},
-            )
+            return view(self.tracker)
 
     # --- internals (the lock held)
 

@@ -29,10 +29,9 @@ from edl_agent.health.remediation import (
 )
 from edl_agent.health.state import DeviceState, Snapshot
 from edl_agent.kubelet.podresources import Claimable, PodResourcesClient
-from edl_agent.labels.condition import device_name
-from edl_agent.labels.cordon import RELEASE_DEVICES
-from edl_agent.labels.events import NORMAL, WARNING, EventSpec
 from edl_agent.runtime.supervisor import Every
+
+NORMAL, WARNING = "Normal", "Warning"  # the Event types of Kubernetes
 
 
 class Remediation:
@@ -45,14 +44,16 @@ class Remediation:
         settings: HealthSettings,
         pods: PodResourcesClient,
         claimable: Callable[[Snapshot], Claimable],
-        announce: Callable[[EventSpec], None],
+        announce: Callable[[str, str, str], None],
+        release_annotation: str,
     ) -> None:
         self._hub = hub
         self._state = state
         self._settings = settings.remediation
         self._pods = pods
         self._claimable = claimable
-        self._announce = announce
+        self._announce = announce  # (kind, reason, message): an Event on the Node
+        self._release_annotation = release_annotation
         self._remediator = Remediator(
             root, settings.remediation, validate=lambda d: validate_reset(root, d, settings)
         )
@@ -100,7 +101,7 @@ class Remediation:
         if device is None:
             return None
         self._log.warning("resetting an idle quarantined device", device=device.id)
-        name = device_name(device, device.id)
+        name = f"{device.vendor.value} {device.index} ({device.id})"
         self._event(NORMAL, "AcceleratorResetting", f"{name} idle: reset by the agent")
         outcome = self._remediator.reset(device)
         self.history = record(
@@ -126,7 +127,7 @@ class Remediation:
                 WARNING,
                 "AcceleratorResetEscalated",
                 f"{name}: {self._settings.max_attempts} resets failed; "
-                f"waits for an operator's release ({RELEASE_DEVICES})",
+                f"waits for an operator's release ({self._release_annotation})",
             )
         self._log.log(
             20 if outcome.ok else 40,
@@ -149,4 +150,4 @@ class Remediation:
         return zeros | dict(self.counts)
 
     def _event(self, kind: str, reason: str, message: str) -> None:
-        self._announce(EventSpec(kind, reason, message))
+        self._announce(kind, reason, message)

@@ -9,9 +9,11 @@ from collections.abc import Callable, Mapping, Sequence
 
 from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.model import Vendor
+from edl_agent.health.hub import HealthHub
 from edl_agent.health.model import DeviceTelemetry
 from edl_agent.health.nvml_telemetry import NvmlTelemetry
 from edl_agent.health.state import DeviceState
+from edl_agent.health.tracker import HealthTracker
 from edl_agent.kubelet.podresources import PodRef
 from edl_agent.metrics.collectors import EdlCollector, build_registry
 from edl_agent.metrics.inputs import AgentCounts, HealthCounts
@@ -27,7 +29,7 @@ class NodeMetrics:
         root: HostRoot,
         state: DeviceState,
         polled: Callable[[], list[DeviceTelemetry]],
-        health_counts: Callable[[], HealthCounts],
+        hub: HealthHub,
         agent_counts: Callable[[], AgentCounts],
         pods: Callable[[], Mapping[str, Sequence[PodRef]]],
         ready: Callable[[], tuple[bool, str]],
@@ -39,7 +41,7 @@ class NodeMetrics:
         collector = EdlCollector(
             snapshot=state.snapshot,
             telemetry=self._telemetry,
-            health_counts=health_counts,
+            health_counts=lambda: health_counts(hub),
             agent_counts=agent_counts,
             pods=pods,
         )
@@ -59,3 +61,24 @@ class NodeMetrics:
     def _telemetry(self) -> list[DeviceTelemetry]:
         figures = self._nvml.read() if self._nvml is not None else []
         return figures + self._polled()
+
+
+def health_counts(hub: HealthHub) -> HealthCounts:
+    """The health counters and what is quarantined now, read in one go."""
+    inventory = hub.state.snapshot().inventory
+
+    def view(tracker: HealthTracker) -> HealthCounts:
+        counts, failing = tracker.counts, tracker.monitor_failures()
+        return HealthCounts(
+            xid_errors=dict(counts.xid_errors),
+            transitions=dict(counts.transitions),
+            events=dict(counts.events),
+            quarantined=frozenset(
+                (device_id, c.reason, c.clears_by.value)
+                for device_id in tracker.unhealthy(inventory.devices)
+                for c in tracker.conditions(device_id)
+            ),
+            monitors={r.vendor.value: r.vendor not in failing for r in inventory.reports},
+        )
+
+    return hub.read(view)
