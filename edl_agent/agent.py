@@ -1,125 +1,79 @@
-"""The node agent: its parts under one supervisor, and the health stream that joins them.
+"""The node agent's composition root: it builds the parts from the settings and registers them
+with one supervisor (`runtime.supervisor`), each on its own thread; it decides nothing itself.
 
-Every long-running job is a part of `runtime.supervisor` with its own thread: `plugins` (kubelet
-registration and servers, device-node presence, quiet periods), `rediscovery`, one
-`poll-<vendor>` per polled vendor, `reset-evidence` (NVML reset marks, the boot id),
-`remediation` (opt-in), and the threads of the NVML watcher, node publisher, fault sender,
-pod-exit watcher and metrics server, watched. A part that dies is logged, counted and started
-again after a backoff; a hung vendor tool holds up only its own part. Health events from any
-part go through `report()`, the one health stream that feeds the device plugin (ListAndWatch
-wakes at once), the node publisher, the quarantine file and the metrics.
-
-Fault reports (`start_faults`): a device that turns Unhealthy while pods hold it (kubelet's
-pod-resources API; shares count for their physical device) becomes one DEVICE_UNHEALTHY fault
-per pod holding it (`pod_faults.per_pod_faults`: with the pod's uid and never dated before the
-pod, when the pod watcher has seen it) — a device no pod holds gives the restarter nothing to
-restart, so it is only logged. A watcher of this node's pods adds CONTAINER_EXIT faults. Faults
-go to the durable outbox under `faults.state_dir`, which a sender delivers to the restarter;
-with no `faults.restarter_address` they are only logged.
+Observers send `HealthEvent`s to the health hub (`health/hub.py`): the NVML watcher, the vendor
+polls (`health/vendor_polls.py`), device-node presence and re-discovery
+(`health/inventory_watch.py`), an operator's cordon and release (the node publisher). The hub
+updates `DeviceState` (ListAndWatch, DRA and the node publisher wake on it), hands the quarantine
+to its writer (`health/quarantine_writer.py`) and publishes each change on the queues of its
+subscribers: device → pod faults (`faults/device_faults.py`), reset evidence
+(`health/reset_watch.py`) and quiet periods (`health/quiet_periods.py`). Remediation
+(`health/remediating.py`), the plugin round (`plugin/round.py`), the node publisher, the fault
+sender, the pod-exit watcher, DRA and the metrics server are parts as well. A part that dies is
+logged, counted and started again after a backoff; a slow part (a hung vendor tool, a kubelet
+whose pod-resources API does not answer) holds up only itself.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import structlog
 
 from edl_agent.config import Settings
-from edl_agent.devices.carry import carry_forward
 from edl_agent.devices.discovery import discover_node
 from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.model import Vendor
 from edl_agent.devices.names import claimable
-from edl_agent.health.classify import classify_xid, what_clears
-from edl_agent.health.model import (
-    ClearsBy,
-    DeviceTelemetry,
-    Evidence,
-    HealthEvent,
-    Level,
-    ends,
-)
-from edl_agent.health.nvml_reset import (
-    Baseline,
-    read_baselines,
-)
-from edl_agent.health.nvml_watch import GPU_LOST, NvmlWatcher
-from edl_agent.health.polled import POLLERS, PollResult, poll
-from edl_agent.health.presence import vanished
-from edl_agent.health.quarantine_store import Quarantine, QuarantineStore, read_boot_id
-from edl_agent.health.remediation import (
-    Attempt,
-    History,
-    Outcome,
-    Remediator,
-    choose,
-    held_ids,
-    record,
-    validate_reset,
-)
-from edl_agent.health.reset_evidence import check_resets, waiting_for_reset
+from edl_agent.faults.reporting import FaultReporting
+from edl_agent.health.classify import classify_xid
+from edl_agent.health.hub import HealthHub
+from edl_agent.health.inventory_watch import InventoryWatch
+from edl_agent.health.model import HealthEvent
+from edl_agent.health.nvml_watch import NvmlWatcher
+from edl_agent.health.quarantine_store import QuarantineStore, read_boot_id
+from edl_agent.health.quarantine_writer import QuarantineWriter
+from edl_agent.health.quiet_periods import QuietPeriods
+from edl_agent.health.remediating import Remediation
+from edl_agent.health.reset_watch import ResetEvidence
 from edl_agent.health.state import DeviceState, Snapshot
-from edl_agent.health.tracker import UNHEALTHY, Condition, HealthTracker, Transition
-from edl_agent.kubelet.podresources import PodRef, PodResourcesClient
-from edl_agent.labels.condition import device_name
-from edl_agent.labels.cordon import RELEASE_DEVICES, Cordon
-from edl_agent.labels.events import NORMAL, WARNING, EventSpec
-from edl_agent.log_limit import LogLimiter
-from edl_agent.metrics.inputs import AgentCounts, HealthCounts
-from edl_agent.plugin.dirwatch import DirectoryWatch
+from edl_agent.health.tracker import Condition, HealthTracker
+from edl_agent.health.vendor_polls import VendorPolls
+from edl_agent.kubelet.podresources import (
+    DEFAULT_TIMEOUT_SECONDS,
+    Claimable,
+    PodResourcesClient,
+    Units,
+)
+from edl_agent.labels.cordon import RELEASE_DEVICES
+from edl_agent.labels.events import EventSpec
+from edl_agent.labels.marks import OperatorMarks
+from edl_agent.metrics.inputs import AgentCounts
 from edl_agent.plugin.manager import PluginManager
-from edl_agent.runtime.supervisor import Every, Supervisor, Watched
+from edl_agent.plugin.presence_round import PresenceRound
+from edl_agent.plugin.round import TICK_SECONDS, WATCHED_TICK_SECONDS, PluginRound
+from edl_agent.runtime.supervisor import Part, Supervisor, Watched
 
 if TYPE_CHECKING:
-    # Imported where they start (start_faults, start_metrics, start_publisher): registration
-    # with kubelet (serve_kubelet) comes first and needs none of the API client,
-    # prometheus_client or fault reporting.
+    # Imported where they start: registration with kubelet (serve_kubelet) comes first and
+    # needs none of the API client, prometheus_client or the outbox.
     from edl_agent.dra.node import DraNode
-    from edl_agent.faults.model import Fault
     from edl_agent.faults.outbox import Outbox
-    from edl_agent.faults.pod_exits import PodExitWatcher
-    from edl_agent.faults.sender import Sender
-    from edl_agent.health.nvml_telemetry import NvmlTelemetry
     from edl_agent.kube import NodeApi
     from edl_agent.labels.publisher import NodePublisher
-    from edl_agent.metrics.server import MetricsServer
-
-TICK_SECONDS = 0.25
-# The plugin part's round while kubelet's directory is watched and nothing waits to register: a
-# kubelet restart wakes it at once, and a quiet period's end is a deadline of its own, so the
-# round is for device-node presence.
-WATCHED_TICK_SECONDS = 1.0
-# The shortest wait for a quiet period's end (one that is already due is expired in this round).
-MIN_TICK_SECONDS = 0.01
-NODE_VANISHED = "NODE_VANISHED"
-DEVICE_GONE = "DEVICE_GONE"
-DISCOVERY_FAILED = "DISCOVERY_FAILED"
-
-
-@dataclass
-class _Schedule:
-    interval: float
-    due: float = 0.0
-
-    def take(self, now: float) -> bool:
-        if now < self.due:
-            return False
-        self.due = now + self.interval
-        return True
+    from edl_agent.metrics.node import NodeMetrics
 
 
 class StopSignal(threading.Event):
     """The agent's stop flag; setting it also ends every part's wait for its next round: the
-    plugin tick's `wake` (which a change in kubelet's directory sets too) and each `waker()`."""
+    plugin round's `wake` (which a change in kubelet's directory sets too) and each `waker()`."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -145,91 +99,92 @@ class Agent:
     settings: Settings
     stop: StopSignal = field(default_factory=StopSignal)
     step_failures: Counter[str] = field(default_factory=Counter)
+    # The plugin round while something is under way, and while all is quiet (plugin/round.py).
+    tick_seconds: float = TICK_SECONDS
+    watched_tick_seconds: float = WATCHED_TICK_SECONDS
+    # Reset evidence between events (at least reset_watch.MIN_INTERVAL_SECONDS).
+    evidence_seconds: float = 5.0
+    # How long one call to kubelet's pod-resources API may take.
+    pod_resources_timeout: float = DEFAULT_TIMEOUT_SECONDS
 
     def __post_init__(self) -> None:
-        self.root = HostRoot.at(self.settings.host_root)
+        settings, health, waker = self.settings, self.settings.health, self.stop.waker
+        self.root = HostRoot.at(settings.host_root)
         self._log = structlog.get_logger()
         started = time.monotonic()
-        self.state = DeviceState(discover_node(self.settings))
-        self.discovery_seconds = time.monotonic() - started
-        self.plugins = PluginManager(
-            settings=self.settings.plugin, state=self.state, root=self.root
-        )
-        health = self.settings.health
-        self.tracker = HealthTracker(
-            quiet_seconds=health.quiet_seconds,
-            clears_by=lambda event: what_clears(
-                event,
-                xid_overrides=health.xid_clears_by,
-                ascend_overrides=health.ascend_code_clears_by,
-            ),
-        )
-        self._health_lock = threading.Lock()
-        self._event_log = LogLimiter(interval=EVENT_LOG_SECONDS)
-        self.boot_id = read_boot_id(self.root.read_optional)
-        self._store = (
-            QuarantineStore(Path(self.settings.faults.state_dir) / "health")
-            if self.settings.faults.state_dir
-            else None
-        )
-        self._baselines: dict[str, Baseline] = {}
-        self._quarantine_keys: frozenset[tuple[str, str, str]] = frozenset()
-        self._restore_quarantine()
-        self._remediation = Remediator(
-            self.root,
-            health.remediation,
-            validate=lambda device: validate_reset(self.root, device, health),
-        )
-        self._remediation_history = History()
-        self.remediations: Counter[tuple[str, str]] = Counter()  # (vendor, result)
-        self._vanished: frozenset[str] = frozenset()
-        self._gone: frozenset[str] = frozenset()
-        self._discovery_failed: frozenset[Vendor] = frozenset()
-        self.polled_telemetry: dict[Vendor, list[DeviceTelemetry]] = {}
-        self.nvml: NvmlWatcher | None = None
-        self._presence = _Schedule(self.settings.plugin.health_poll_seconds)
-        self._directory_watched = False
+        self.state = DeviceState(discover_node(settings))
+        node = self.state.snapshot().inventory.node
         self.supervisor = Supervisor(self.stop)
-        self._rediscover_now = self.stop.waker()
-        self.rediscoveries = 0
-        self._ready = threading.Event()
-        self.metrics: MetricsServer | None = None
-        self._pods = PodResourcesClient(Path(self.settings.pod_resources_socket))
-        self._nvml_telemetry: NvmlTelemetry | None = None
+        directory = settings.faults.state_dir
+        store = QuarantineStore(Path(directory) / "health")
+        self.writer = QuarantineWriter(store, waker()) if directory else None
+        boot_id = read_boot_id(self.root.read_optional)
+        self.hub = HealthHub(self.state, health, boot_id=boot_id, writer=self.writer)
+        if self.writer is not None:  # what an earlier run quarantined, before kubelet is served
+            saved = store.load()
+            if saved is not None:
+                self.hub.restore(saved)
+            self.writer.flush()
+        self.plugins = PluginManager(settings=settings.plugin, state=self.state, root=self.root)
+        self.round = PluginRound(
+            self.plugins,
+            self.stop.wake,
+            guarded=self._guarded,
+            tick_seconds=self.tick_seconds,
+            watched_tick_seconds=self.watched_tick_seconds,
+        )
+        self.inventory = InventoryWatch(
+            hub=self.hub,
+            state=self.state,
+            root=self.root,
+            settings=settings,
+            rediscover_now=waker(),
+            inventory_changed=self.stop.wake.set,  # servers for new resources now
+            discovery_seconds=time.monotonic() - started,
+        )
+        self.polls = VendorPolls(self.hub, self.state, self.root, health)
+        timeout = self.pod_resources_timeout
+        self.pods = PodResourcesClient(Path(settings.pod_resources_socket), timeout=timeout)
+        self.remediation = Remediation(
+            hub=self.hub,
+            state=self.state,
+            root=self.root,
+            settings=health,
+            pods=self.pods,
+            claimable=self._claimable,
+            announce=lambda kind, reason, message: self._announce(EventSpec(kind, reason, message)),
+            release_annotation=RELEASE_DEVICES,
+        )
+        self.resets = ResetEvidence(
+            self.hub, self.root, waker(), interval=lambda: self.evidence_seconds
+        )
+        self.quiet = QuietPeriods(self.hub, waker())
+        self.marks = OperatorMarks(self.hub, self._announce)
+        self.faults = FaultReporting(settings.faults, node)
+        self.nvml: NvmlWatcher | None = None
         self.publisher: NodePublisher | None = None
-        self._cordoned: frozenset[str] = frozenset()
-        self._faults_on = False
-        self.outbox: Outbox | None = None
-        self.sender: Sender | None = None
-        self.pod_exits: PodExitWatcher | None = None
         self.dra: DraNode | None = None
-        # Device id → the condition of a device fault waiting for kubelet's pod-resources API.
-        self._pending_faults: dict[str, Condition] = {}
-        self._pending_lock = threading.Lock()
+        self.metrics: NodeMetrics | None = None
 
     def serve_kubelet(self) -> None:
         """Serve every resource and register it with kubelet now, before the rest starts: the
         devices are schedulable as soon as discovery is done (`run` keeps them registered)."""
-        self._guarded("plugins", self.plugins.sync)
+        self.round.sync()
 
     def run(self) -> None:
-        """Run until `stop` is set; then stop the watchers and servers and remove our sockets."""
+        """Run until `stop` is set; then stop the parts and remove our sockets."""
+        snapshot = self.state.snapshot()
         self._log.info(
             "agent running",
-            node=self.state.snapshot().inventory.node,
+            node=snapshot.inventory.node,
             kubelet_dir=str(self.plugins.directory),
-            resources=sorted(self.state.snapshot().resources),
+            resources=sorted(snapshot.resources),
         )
-        self._start_nvml_watcher()
         self._add_parts()
-        # A change in kubelet's directory (a kubelet restart) makes the next tick come at once.
-        directory_watch = DirectoryWatch(self.plugins.directory, self.stop.wake.set)
         try:
-            self._directory_watched = directory_watch.start()
             self.supervisor.start()
             self.stop.wait()
         finally:
-            directory_watch.stop()
             self.stop.set()
             self.state.wake()  # parts waiting on the device state check `stop`
             self.supervisor.join()
@@ -239,17 +194,44 @@ class Agent:
         """Stop whatever was started and remove our sockets (after `run`, or instead of it when
         starting failed half-way)."""
         self.stop.set()
-        if self.nvml is not None:
-            self.nvml.stop()
-        if self.publisher is not None:
-            self.publisher.stop()
-        self.stop_faults()
-        if self.dra is not None:
-            self.dra.stop()
+        stops = (self.nvml, self.publisher, self.faults, self.dra, self.metrics)
+        for started in [part.stop for part in stops if part is not None]:
+            started()
         self.state.close()
         self.plugins.close()
-        self.stop_metrics()
+        self.pods.close()
+        if self.writer is not None:
+            self.writer.flush()
         self._log.info("agent stopped")
+
+    def _add_parts(self) -> None:
+        """Every job is a part of its own: a vendor tool that hangs, or a kubelet that does not
+        answer, delays neither the others nor the health stream."""
+        health, add, waker = self.settings.health, self.supervisor.add, self.stop.waker
+        if any(r.vendor is Vendor.NVIDIA for r in self.state.snapshot().inventory.reports):
+            self.nvml = NvmlWatcher(
+                self.root,
+                self.hub.report,
+                lambda code: classify_xid(code, health.xid_levels),
+                retry_seconds=health.nvml_retry_seconds,
+            )
+            self.nvml.start()
+            add(Watched("nvml-watch", self.nvml), critical=False)
+        if self.writer is not None:
+            add(self.writer, critical=False)
+        presence = PresenceRound(
+            check=functools.partial(self._guarded, "presence", self.inventory.check_presence),
+            directories=self.inventory.directories,
+            wake=waker(),
+            poll_seconds=lambda: self.settings.plugin.health_poll_seconds,
+        )
+        parts: list[Part] = [self.round, presence, self.inventory.rediscovery()]
+        for part in [*parts, self.resets, self.quiet, *self.polls.parts(waker)]:
+            add(part)
+        if health.remediation.enabled:
+            add(self.remediation.part(waker()), critical=False)
+
+    # The parts the CLI starts once kubelet is served.
 
     def start_publisher(self, api: NodeApi | None) -> None:
         """Publish labels, the node condition and events (only logged when `api` is None)."""
@@ -260,768 +242,142 @@ class Agent:
             settings=self.settings,
             state=self.state,
             root=self.root,
-            unhealthy=self.unhealthy,
-            on_cordon=self.set_cordon,
-            on_release=self.release,
-            monitors=self.monitor_failures,
+            unhealthy=self.hub.unhealthy,
+            on_cordon=self.marks.cordon,
+            on_release=self.marks.release,
+            monitors=self.hub.monitor_failures,
         )
+        self.hub.subscribe(self.publisher.poke_event, lambda change: change.shown, keep=False)
         self.publisher.start()
         self.supervisor.add(Watched("node-publisher", self.publisher), critical=False)
 
     def start_dra(self, api: NodeApi | None) -> None:
-        """Serve the vendors whose `serve` is `dra` or `both` through DRA: kubelet plugins, CDI
-        specs and ResourceSlices (only logged when `api` is None). Raises OSError when the
-        plugin socket or the CDI directory cannot be made."""
-        from edl_agent.dra.node import DraNode, dra_vendors
+        """Serve the vendors whose `serve` is `dra` or `both` through DRA (dra/node.py; only
+        logged when `api` is None). OSError when its socket or CDI directory cannot be made."""
+        from edl_agent.dra.wiring import start_dra
 
-        if not dra_vendors(self.settings) and not self.settings.plugin.cdi:
-            if api is not None:
-                self._remove_stale_slices(api)
-            return
-        from edl_agent.dra.api import KubeDraApi
-
-        self.dra = DraNode(
+        self.dra = start_dra(
             self.settings,
-            self.state,
-            self.root,
-            api=KubeDraApi(api) if api is not None else None,
-            reasons=lambda: {d: c.reason for d, c in self.unhealthy().items()},
-            pods=self._pods,
+            state=self.state,
+            root=self.root,
+            api=api,
+            reasons=lambda: {d: c.reason for d, c in self.hub.unhealthy().items()},
+            pods=self.pods,
+            supervisor=self.supervisor,
         )
-        self.dra.start()
-        self.supervisor.add(self.dra, critical=False)
-        self._log.info(
-            "serving through DRA",
-            drivers=sorted(self.dra.servers),
-            registry=self.settings.dra.plugins_registry_dir,
-            cdi_dir=self.settings.dra.cdi_dir,
-        )
-
-    def _remove_stale_slices(self, api: NodeApi) -> None:
-        """In the background: ResourceSlices of this node left by a configuration that served a
-        vendor through DRA are removed (one list call when there are none)."""
-        from edl_agent.dra.api import KubeDraApi
-        from edl_agent.dra.publisher import remove_stale_slices
-
-        node = self.state.snapshot().inventory.node
-        threading.Thread(
-            target=remove_stale_slices,
-            args=(KubeDraApi(api), node),
-            name="dra-cleanup",
-            daemon=True,
-        ).start()
 
     def start_faults(self, api: NodeApi | None) -> None:
-        """Report faults: open the outbox and start its sender (when a restarter is configured)
-        and watch this node's pods for container exits (when `api` is given). Raises OutboxError
-        when the state directory cannot be used, ValueError for unusable sender settings."""
-        from edl_agent.faults.outbox import Outbox
-        from edl_agent.faults.sender import Sender, SenderSettings
+        """Report faults (faults/reporting.py), and devices that turn Unhealthy while pods hold
+        them as faults (faults/device_faults.py). Raises OutboxError, ValueError."""
+        from edl_agent.faults.device_faults import DeviceFaults
 
-        settings = self.settings.faults
-        node = self.state.snapshot().inventory.node
-        if settings.restarter_address:
-            outbox = Outbox(Path(settings.state_dir) / "outbox")
-            try:
-                sender = Sender(outbox, SenderSettings.from_settings(settings))
-            except ValueError:
-                outbox.close()
-                raise
-            self.outbox, self.sender = outbox, sender
-            sender.start()
-            self.supervisor.add(Watched("fault-sender", sender), critical=False)
-            self._log.info(
-                "reporting faults to the restarter",
-                address=settings.restarter_address,
-                outbox=str(outbox.directory),
-                pending=len(outbox),
-            )
-        else:
-            self._log.info("no faults.restarter_address: faults are only logged")
-        self._faults_on = True
-        if api is not None:
-            from edl_agent.faults.pod_exits import PodExitWatcher
-
-            self.pod_exits = PodExitWatcher(api, node, self.report_fault)
-            self.pod_exits.start()
-            self.supervisor.add(Watched("pod-exits", self.pod_exits), critical=False)
-
-    def stop_faults(self) -> None:
-        """Stop watching and sending; pending faults stay in the outbox on disk."""
-        self._faults_on = False
-        if self.pod_exits is not None:
-            self.pod_exits.stop()
-            self.pod_exits = None
-        if self.sender is not None:
-            self.sender.stop()
-            self.sender = None
-        if self.outbox is not None:
-            self.outbox.close()
-            self.outbox = None
-
-    def report_fault(self, fault: Fault) -> None:
-        """Log `fault` and keep it in the outbox for the restarter (any thread)."""
-        self._log.warning(
-            "fault observed",
-            fault_id=fault.id,
-            kind=str(fault.kind),
-            pods=[f"{p.namespace}/{p.name}" for p in fault.pods],
-            container=fault.container,
-            exit_code=fault.exit_code,
-            devices=list(fault.device_ids) or None,
-            reason=fault.reason,
+        self.faults.start(api, self.supervisor)
+        self.device_faults = DeviceFaults(
+            hub=self.hub,
+            state=self.state,
+            pods=self.pods,
+            claimable=self._claimable,
+            report=self.faults.report,
+            pod=self.faults.pod,
+            wake=self.stop.waker(),
+            # kubelet not answering: asked again every plugin.health_poll_seconds
+            retry_seconds=self.settings.plugin.health_poll_seconds,
         )
-        outbox = self.outbox
-        if outbox is None:
-            return
-        from edl_agent.faults.outbox import OutboxError  # loaded with the outbox
-
-        try:
-            outbox.enqueue(fault)
-        except OutboxError as exc:  # closed while stopping: the fault is seen again next run
-            self._log.warning("fault not kept", fault_id=fault.id, error=str(exc))
-
-    def _device_faults(self, turned: list[tuple[str, Condition]]) -> None:
-        """Faults for devices that just turned Unhealthy: one per pod holding the device."""
-        from edl_agent.faults.ids import device_unhealthy_id
-        from edl_agent.faults.model import Fault, FaultKind
-        from edl_agent.faults.pod_faults import per_pod_faults
-
-        snapshot = self.state.snapshot()
-        holders = self._pods.pod_devices_known(snapshot.units, self._claimable(snapshot))
-        if holders is None:
-            # "No answer" is not "no pods": the faults wait for kubelet's answer (plugin round).
-            with self._pending_lock:
-                first = not self._pending_faults
-                self._pending_faults.update(turned)
-            if first:
-                self._log.warning(
-                    "kubelet's pod-resources API does not answer: device faults wait for it",
-                    devices=[device_id for device_id, _ in turned],
-                )
-            return
-        node = snapshot.inventory.node
-        for device_id, condition in turned:
-            held_by = holders.get(device_id, [])
-            if not held_by:
-                self._log.info(
-                    "unhealthy device held by no pod: no fault to report",
-                    device=device_id,
-                    reason=condition.reason,
-                )
-                continue
-            age = max(0.0, time.monotonic() - condition.since)
-            containers = sorted({f"{p.namespace}/{p.pod}/{p.container}" for p in held_by})
-            held = f"held by {', '.join(containers)}"
-            detail = f"{condition.detail}; {held}" if condition.detail else held
-            spell = Fault(
-                id=device_unhealthy_id(node, device_id, condition.reason, condition.since),
-                kind=FaultKind.DEVICE_UNHEALTHY,
-                node=node,
-                observed_at=datetime.now(UTC) - timedelta(seconds=age),
-                reason=condition.reason,
-                device_ids=(device_id,),
-                detail=detail,
-            )
-            names = sorted({(p.namespace, p.pod) for p in held_by})
-            for fault in per_pod_faults(spell, [self._pod_object(*name) for name in names]):
-                self.report_fault(fault)
-
-    def _pod_object(self, namespace: str, name: str) -> Mapping[str, Any]:
-        """The pod as the pod watcher last saw it (uid, creation time); else its name alone,
-        which is all kubelet's pod-resources API tells."""
-        watcher = self.pod_exits
-        pod = watcher.pod(namespace, name) if watcher is not None else None
-        return pod if pod is not None else {"metadata": {"namespace": namespace, "name": name}}
-
-    def _retry_device_faults(self) -> None:
-        with self._pending_lock:
-            pending, self._pending_faults = self._pending_faults, {}
-        if pending:
-            self._device_faults(list(pending.items()))
-
-    def pods_holding(self, snapshot: Snapshot) -> dict[str, list[PodRef]]:
-        """Device id → the containers holding it, through the device plugin or a DRA claim."""
-        return self._pods.pod_devices(snapshot.units, self._claimable(snapshot))
-
-    def _claimable(self, snapshot: Snapshot) -> dict[tuple[str, str, str], str]:
-        return claimable(
-            snapshot.inventory, lambda vendor: self.settings.serve(vendor.value) != "device-plugin"
-        )
-
-    def set_cordon(self, cordon: Cordon) -> None:
-        """Devices cordoned by the node annotation are advertised Unhealthy until released."""
-        with self._health_lock:
-            if cordon.device_ids == self._cordoned:
-                return
-            self._cordoned = cordon.device_ids
-            self._publish([])
-        self._log.info(
-            "cordoned devices changed",
-            cordoned=sorted(cordon.device_ids) or None,
-            unknown=list(cordon.unknown) or None,
-        )
-
-    def release(self, released: Cordon) -> None:
-        """An operator released these devices (`edl.io/release-devices`): every quarantine of
-        theirs ends, whatever it waited for."""
-        with self._health_lock:
-            changes = self.tracker.clear(released.device_ids, Evidence.RELEASE)
-            for device_id in released.device_ids:
-                self._baselines.pop(device_id, None)
-            self._publish(changes)
-            self._save_quarantine()
-        if changes:
-            names = ", ".join(c.device_id for c in changes)
-            self._announce(NORMAL, "AcceleratorReleased", f"released by an operator: {names}")
-        self._log.warning(
-            "devices released by an operator",
-            released=sorted(released.device_ids) or None,
-            back_in_service=[c.device_id for c in changes] or None,
-            unknown=list(released.unknown) or None,
-        )
-
-    def _announce(self, kind: str, reason: str, message: str) -> None:
-        if self.publisher is not None:
-            self.publisher.announce(EventSpec(kind, reason, message))
-
-    def monitor_failures(self) -> dict[Vendor, Condition]:
-        with self._health_lock:
-            return dict(self.tracker.monitor_failures())
+        self.supervisor.add(self.device_faults, critical=False)
 
     def start_metrics(self) -> None:
         """Serve /metrics, /healthz and /readyz; OSError when the address cannot be bound."""
         if not self.settings.metrics_addr:
             return
-        from edl_agent.health.nvml_telemetry import NvmlTelemetry
-        from edl_agent.metrics.collectors import EdlCollector, build_registry
-        from edl_agent.metrics.server import MetricsServer
+        from edl_agent.metrics.node import NodeMetrics
 
-        if any(r.vendor is Vendor.NVIDIA for r in self.state.snapshot().inventory.reports):
-            self._nvml_telemetry = NvmlTelemetry(self.root)
-        collector = EdlCollector(
-            snapshot=self.state.snapshot,
-            telemetry=self._telemetry,
-            health_counts=self._health_counts,
-            agent_counts=self._agent_counts,
-            pods=lambda: self.pods_holding(self.state.snapshot()),
+        self.metrics = NodeMetrics(
+            self.settings.metrics_addr,
+            root=self.root,
+            state=self.state,
+            polled=self.polls.all_telemetry,
+            hub=self.hub,
+            agent_counts=self.agent_counts,
+            pods=lambda: self.pods.pod_devices(*self._holders_query()),
+            ready=self.ready,
         )
-        self.metrics = MetricsServer(
-            self.settings.metrics_addr, build_registry(collector), ready=self.ready
-        )
-        self.metrics.start()
-        self.supervisor.add(Watched("metrics", self.metrics), critical=False)
+        self.metrics.start(self.supervisor)
 
-    def stop_metrics(self) -> None:
-        if self.metrics is not None:
-            self.metrics.stop()
-            self.metrics = None
-        if self._nvml_telemetry is not None:
-            self._nvml_telemetry.close()
-            self._nvml_telemetry = None
-        self._pods.close()
+    # What the parts offer, for the CLI, /metrics, /readyz and tests.
 
-    def _telemetry(self) -> list[DeviceTelemetry]:
-        figures = self._nvml_telemetry.read() if self._nvml_telemetry is not None else []
-        for vendor_figures in list(self.polled_telemetry.values()):
-            figures.extend(vendor_figures)
-        return figures
+    @property
+    def tracker(self) -> HealthTracker:
+        return self.hub.tracker
 
-    def _health_counts(self) -> HealthCounts:
-        with self._health_lock:
-            counts = self.tracker.counts
-            failing = self.tracker.monitor_failures()
-            devices = self.state.snapshot().inventory.devices
-            return HealthCounts(
-                xid_errors=dict(counts.xid_errors),
-                transitions=dict(counts.transitions),
-                events=dict(counts.events),
-                quarantined=frozenset(
-                    (device_id, c.reason, c.clears_by.value)
-                    for device_id in self.tracker.unhealthy(devices)
-                    for c in self.tracker.conditions(device_id)
-                ),
-                monitors={
-                    r.vendor.value: r.vendor not in failing
-                    for r in self.state.snapshot().inventory.reports
-                },
-            )
+    @property
+    def outbox(self) -> Outbox | None:
+        return self.faults.outbox
 
-    def _agent_counts(self) -> AgentCounts:
-        plugin = self.plugins.counters
-        return AgentCounts(
-            discovery_seconds=self.discovery_seconds,
-            nvml_event_loop_restarts=self.nvml.restarts if self.nvml is not None else 0,
-            registrations=plugin.registrations,
-            registration_failures=plugin.registration_failures,
-            plugin_server_restarts=plugin.server_restarts,
-            step_failures=dict(self.step_failures),
-            remediations=self._remediation_counts(),
-            parts={p.name: (p.up, p.restarts) for p in self.supervisor.statuses()},
-            dra_plugins=self.dra.plugin_counts() if self.dra is not None else {},
-            dra_publish_failures=self.dra.publish_failures if self.dra is not None else 0,
-        )
+    @property
+    def remediations(self) -> Counter[tuple[str, str]]:
+        return self.remediation.counts
 
-    def _remediation_counts(self) -> dict[tuple[str, str], int]:
-        settings = self.settings.health.remediation
-        if not settings.enabled:
-            return dict(self.remediations)
-        vendors = {r.vendor.value for r in self.state.snapshot().inventory.reports}
-        zeros = {
-            (vendor, result): 0
-            for vendor in vendors & settings.commands.keys()
-            for result in ("reset", "failed", "escalated")
-        }
-        return zeros | dict(self.remediations)
+    @property
+    def rediscoveries(self) -> int:
+        return self.inventory.rediscoveries
+
+    def rediscover_now(self) -> None:
+        """Run the periodic re-discovery at once (as a change under /dev does)."""
+        self.inventory.rediscover_now.set()
+
+    def report(self, event: HealthEvent) -> None:
+        """The health stream: any observer, any thread."""
+        self.hub.report(event)
+
+    def unhealthy(self) -> dict[str, Condition]:
+        return self.hub.unhealthy()
 
     def wait_ready(self, timeout: float) -> bool:
-        """True once the first tick has served every resource (for embedding and tests)."""
-        return self._ready.wait(timeout)
+        """True once the first plugin round has served every resource."""
+        return self.round.served.wait(timeout)
 
     def ready(self) -> tuple[bool, str]:
         """Readiness for /readyz: every vendor's monitor works and the plugins are served."""
-        with self._health_lock:
-            failed = self.tracker.monitor_failures()
+        failed = self.hub.monitor_failures()
         if failed:
             reasons = ", ".join(f"{v.value}: {c.reason}" for v, c in failed.items())
             return False, f"health monitor failing ({reasons})"
         if self.nvml is not None and not self.nvml.ready:
             return False, "NVML event loop not running"
-        if not self._ready.is_set():
+        if not self.round.served.is_set():
             return False, "starting"
         return self.supervisor.ready()
 
-    def report(self, event: HealthEvent) -> None:
-        """The health stream: any watcher or poller, any thread."""
-        if event.device_id is None and event.reason == GPU_LOST:
-            # A GPU lost before we could read its uuid is not in the inventory at all (discovery
-            # reports it as an error); it must not take the vendor's other GPUs down with it.
-            event = dataclasses.replace(event, level=Level.WARN)
-        with self._health_lock:
-            devices = self.state.snapshot().inventory.devices
-            changes = self.tracker.observe(event, devices)
-            if changes:
-                self._publish(changes)
-            self._save_quarantine()
-            turned: list[tuple[str, Condition]] = []
-            if self._faults_on and any(c.to == UNHEALTHY for c in changes):
-                conditions = self.tracker.unhealthy(devices)
-                turned = [
-                    (c.device_id, conditions[c.device_id])
-                    for c in changes
-                    if c.to == UNHEALTHY and c.device_id in conditions
-                ]
-        if turned:
-            self._guarded("device_faults", lambda: self._device_faults(turned))
-        if changes and event.vendor is Vendor.NVIDIA and event.device_id is not None:
-            self._guarded("reset_baseline", lambda: self._take_baseline(event.device_id or ""))
-        if event.level is not Level.IGNORE or changes:
-            # A flood of one fault logs its first line, then one line per interval with the
-            # number held back; the counters count every event.
-            held_back = self._event_log.allow((event.device_id, event.reason, event.cleared))
-            if held_back is not None or changes:
-                self._log.log(
-                    30 if event.level.unhealthy and not event.cleared else 20,
-                    "health event",
-                    vendor=event.vendor.value,
-                    device=event.device_id,
-                    reason=event.reason,
-                    severity=event.level.value,
-                    cleared=event.cleared or None,
-                    detail=event.detail or None,
-                    repeats_not_logged=held_back or None,
-                )
-
-    def unhealthy(self) -> dict[str, Condition]:
-        """Unhealthy devices and why (events and vanished device nodes)."""
-        with self._health_lock:
-            return self.tracker.unhealthy(self.state.snapshot().inventory.devices)
-
-    def tick(self, now: float) -> None:
-        """The plugin part's round: device-node presence, quiet periods, kubelet's servers."""
-        if self._presence.take(now):
-            self._guarded("presence", lambda: self._check_presence(now))
-            if self._pending_faults:
-                self._guarded("device_faults", self._retry_device_faults)
-        self._guarded("recovery", lambda: self._expire(now))
-        self._guarded("plugins", self.plugins.sync)
-
-    def _start_nvml_watcher(self) -> None:
-        reports = self.state.snapshot().inventory.reports
-        if not any(r.vendor is Vendor.NVIDIA for r in reports):
-            return
-        overrides = self.settings.health.xid_levels
-        self.nvml = NvmlWatcher(
-            self.root,
-            self.report,
-            lambda code: classify_xid(code, overrides),
-            retry_seconds=self.settings.health.nvml_retry_seconds,
+    def agent_counts(self) -> AgentCounts:
+        plugin, dra = self.plugins.counters, self.dra
+        failures = Counter(self.step_failures)
+        if self.writer is not None and self.writer.failures:
+            failures["quarantine_save"] = self.writer.failures
+        vendors = {r.vendor.value for r in self.state.snapshot().inventory.reports}
+        return AgentCounts(
+            discovery_seconds=self.inventory.discovery_seconds,
+            nvml_event_loop_restarts=self.nvml.restarts if self.nvml is not None else 0,
+            registrations=plugin.registrations,
+            registration_failures=plugin.registration_failures,
+            plugin_server_restarts=plugin.server_restarts,
+            step_failures=dict(failures),
+            remediations=self.remediation.counted(vendors),
+            parts={p.name: (p.up, p.restarts) for p in self.supervisor.statuses()},
+            dra_plugins=dra.plugin_counts() if dra is not None else {},
+            dra_publish_failures=dra.publish_failures if dra is not None else 0,
         )
-        self.nvml.start()
 
-    def _check_presence(self, now: float) -> None:
-        devices = self.state.snapshot().inventory.devices
-        missing = vanished(devices, self.root.exists)
-        if missing == self._vanished:
-            return
-        gone, back = missing - self._vanished, self._vanished - missing
-        self._vanished = missing
-        for device in devices:
-            if device.id in gone:
-                lost = [p for p in device.device_nodes if not self.root.exists(p)]
-                detail = f"missing {', '.join(lost)}"
-                event = HealthEvent(
-                    device.vendor, device.id, NODE_VANISHED, Level.NODE_FATAL, now, detail
-                )
-                self.report(event)
-        if back:
-            with self._health_lock:
-                self._publish(self.tracker.clear(back, Evidence.GONE, reasons={NODE_VANISHED}))
-        self._rediscover_now.set()  # /dev changed: look at the whole node again
-
-    def _poll_vendor(self, vendor: Vendor) -> None:
-        """One poll of one vendor's tool (its own part: a hung tool holds up nothing else)."""
-        devices = [d for d in self.state.snapshot().inventory.devices if d.vendor is vendor]
-        if not devices:
-            return
-        result = poll(vendor, self.root, devices, self.settings.health)
-        self.polled_telemetry[vendor] = result.telemetry
-        for event in result.events:
-            self.report(event)
-        self._poll_evidence(result)
-
-    def _poll_evidence(self, result: PollResult) -> None:
-        """What a working poll shows is over. The vendors' drivers hold a reset-class fault
-        (an NPU's RestartNPU code, an XPU/DCU `Fault` state, a volatile ECC count) until the
-        device is reset, so a device the tool reads clean again was reset: that is the evidence
-        (conditions that wait for a reboot or a person stay)."""
-        if not result.ok:
-            return
-        reported: dict[str, set[str]] = {}
-        for event in result.events:
-            if event.device_id is not None and event.level.unhealthy:
-                reported.setdefault(event.device_id, set()).add(event.reason)
-        with self._health_lock:
-            self.tracker.monitor_ok(result.vendor)
-            changes: list[Transition] = []
-            for device_id in result.checked:
-                over = {
-                    c.reason
-                    for c in self.tracker.conditions(device_id)
-                    if c.reason.startswith(POLLED_REASON_PREFIXES)
-                    and c.reason not in reported.get(device_id, set())
-                }
-                if over:
-                    changes += self.tracker.clear([device_id], Evidence.RESET, reasons=over)
-            if changes:
-                self._publish(changes)
-                self._save_quarantine()
-
-    def _take_baseline(self, device_id: str) -> None:
-        """Read the reset marks of a GPU the moment it is quarantined: a reset that follows
-        at once must find a baseline to differ from."""
-        devices = self.state.snapshot().inventory.devices
-        with self._health_lock:
-            quarantined = {device_id: self.tracker.quarantined().get(device_id, [])}
-            waiting = waiting_for_reset(quarantined, devices)
-            if not waiting or device_id in self._baselines:
-                return
-        readings = read_baselines(self.root, set(waiting.values()))
-        with self._health_lock:
-            check = check_resets(waiting, {}, readings)
-            self._baselines.update(check.baselines)
-            self._save_quarantine(force=True)
-
-    def _check_resets(self) -> None:
-        """Look for evidence that quarantined NVIDIA devices were reset (NVML) and that the node
-        rebooted (its boot id) while this agent ran."""
-        boot_id = read_boot_id(self.root.read_optional)
-        if boot_id is not None and self.boot_id is not None and boot_id != self.boot_id:
-            self._log.warning("node rebooted (new boot id)", was=self.boot_id, now=boot_id)
-            self.boot_id = boot_id
-            with self._health_lock:
-                self._baselines.clear()
-                self._publish(self.tracker.reboot())
-                self._save_quarantine(force=True)
-        devices = self.state.snapshot().inventory.devices
-        with self._health_lock:
-            waiting = waiting_for_reset(self.tracker.quarantined(), devices)
-        if not waiting:
-            return
-        readings = read_baselines(self.root, set(waiting.values()))
-        with self._health_lock:
-            check = check_resets(waiting, self._baselines, readings)
-            self._baselines = dict(check.baselines)
-            changes = self.tracker.clear(check.reset, Evidence.RESET) if check.reset else []
-            if changes:
-                self._publish(changes)
-            self._save_quarantine(force=bool(check.reset) or readings != {})
-
-    def _add_parts(self) -> None:
-        """Every periodic job is a part of its own under the supervisor: a vendor tool that
-        hangs in a poll or in re-discovery delays neither the other vendors nor kubelet's
-        registration (the `plugins` part)."""
-        health = self.settings.health
-        parts = self.supervisor
-        parts.add(Every("plugins", self._plugins_tick_seconds, self._plugins_step, self.stop.wake))
-        parts.add(
-            Every(
-                "rediscovery",
-                lambda: self.settings.plugin.rediscover_seconds,
-                self._rediscover_step,
-                self._rediscover_now,
-            )
-        )
-        for report in self.state.snapshot().inventory.reports:
-            if report.vendor in POLLERS:
-                parts.add(
-                    Every(
-                        f"poll-{report.vendor.value}",
-                        lambda: health.poll_seconds,
-                        functools.partial(self._poll_vendor, report.vendor),
-                        self.stop.waker(),
-                    )
-                )
-        parts.add(
-            Every(
-                "reset-evidence", lambda: health.poll_seconds, self._check_resets, self.stop.waker()
-            )
-        )
-        if self.nvml is not None:
-            parts.add(Watched("nvml-watch", self.nvml), critical=False)
-        if health.remediation.enabled:
-            self._log.info(
-                "remediation on: idle devices waiting for a reset are reset",
-                vendors=sorted(health.remediation.commands),
-                max_per_hour=health.remediation.max_per_hour,
-                max_attempts=health.remediation.max_attempts,
-            )
-            parts.add(
-                Every(
-                    "remediation",
-                    lambda: health.remediation.interval_seconds,
-                    self._remediate_now,
-                    self.stop.waker(),
-                ),
-                critical=False,
-            )
-
-    def _plugins_tick_seconds(self) -> float:
-        if not self._directory_watched or self.plugins.registering:
-            tick = TICK_SECONDS
-        else:
-            tick = min(WATCHED_TICK_SECONDS, self.settings.plugin.health_poll_seconds)
-        with self._health_lock:
-            quiet_end = self.tracker.next_quiet_end()
-        if quiet_end is not None:
-            tick = min(tick, max(quiet_end - time.monotonic(), MIN_TICK_SECONDS))
-        return tick
-
-    def _plugins_step(self) -> None:
-        self.tick(time.monotonic())
-        self._ready.set()
-
-    def _rediscover_step(self) -> None:
-        if self.rediscoveries:  # the first round's discovery ran in __post_init__
-            self._rediscover()
-        self.rediscoveries += 1
-
-    def rediscover_now(self) -> None:
-        """Run the periodic re-discovery at once (as a change under /dev does)."""
-        self._rediscover_now.set()
-
-    def _remediate_now(self) -> None:
-        self.remediate(time.monotonic())
-
-    def remediate(self, now: float) -> Outcome | None:
-        """Reset one idle device whose quarantine a reset clears, if any may be reset now."""
+    def _holders_query(self) -> tuple[Units, Claimable]:
         snapshot = self.state.snapshot()
-        devices = snapshot.inventory.devices
-        with self._health_lock:
-            quarantined = self.tracker.quarantined()
-        waiting_ids = {
-            (d.parent or d.id)
-            for d in devices
-            if any(c.clears_by is ClearsBy.RESET for c in quarantined.get(d.id, ()))
-        }
-        waiting = [d for d in devices if d.parent is None and d.id in waiting_ids]
-        if not waiting:
-            return None
-        holders = self._pods.pod_devices_known(snapshot.units, self._claimable(snapshot))
-        if holders is None:
-            self._log.info("no reset: kubelet's pod-resources API does not answer")
-            return None
-        device = choose(
-            waiting=waiting,
-            held=held_ids(devices, holders),
-            history=self._remediation_history,
-            now=now,
-            settings=self.settings.health.remediation,
-        )
-        if device is None:
-            return None
-        self._log.warning("resetting an idle quarantined device", device=device.id)
-        name = device_name(device, device.id)
-        self._announce(NORMAL, "AcceleratorResetting", f"{name} idle: reset by the agent")
-        outcome = self._remediation.reset(device)
-        self._remediation_history = record(
-            self._remediation_history,
-            Attempt(device.id, now, outcome.ok, outcome.detail),
-            now=now,
-        )
-        family = [d.id for d in devices if device.id in (d.id, d.parent)]
-        exhausted = False
-        with self._health_lock:
-            if outcome.ok:
-                self.remediations[(device.vendor.value, "reset")] += 1
-                for device_id in family:
-                    self._baselines.pop(device_id, None)
-                self._publish(self.tracker.clear(family, Evidence.RESET))
-            else:
-                failures = self._remediation_history.failures.get(device.id, 0)
-                exhausted = failures >= self.settings.health.remediation.max_attempts
-                self.remediations[(device.vendor.value, "failed")] += 1
-                if exhausted:
-                    self.remediations[(device.vendor.value, "escalated")] += 1
-                    for device_id in family:
-                        self.tracker.escalate(device_id)
-            self._save_quarantine(force=True)
-        if outcome.ok:
-            self._announce(NORMAL, "AcceleratorReset", f"{name} reset and validated: in service")
-        else:
-            self._announce(WARNING, "AcceleratorResetFailed", f"{name}: {outcome.detail}")
-        if exhausted:
-            self._announce(
-                WARNING,
-                "AcceleratorResetEscalated",
-                f"{name}: {self.settings.health.remediation.max_attempts} resets failed; "
-                f"waits for an operator's release ({RELEASE_DEVICES})",
-            )
-        self._log.log(
-            20 if outcome.ok else 40,
-            "device reset" if outcome.ok else "device reset failed",
-            device=device.id,
-            detail=outcome.detail,
-            waits_for_release=exhausted or None,
-        )
-        return outcome
+        return snapshot.units, self._claimable(snapshot)
 
-    def _restore_quarantine(self) -> None:
-        """Reopen what an earlier run quarantined, before kubelet is first served: a reboot since
-        then (a new boot id) ends what a reboot ends; the rest waits as before."""
-        if self._store is None:
-            return
-        saved = self._store.load()
-        if saved is None:
-            return
-        rebooted = saved.boot_id is not None and self.boot_id not in (None, saved.boot_id)
-        restored = 0
-        for device_id, conditions in saved.conditions.items():
-            kept = [c for c in conditions if not rebooted or not ends(c.clears_by, Evidence.REBOOT)]
-            if kept:
-                self.tracker.restore(device_id, kept)
-                restored += 1
-        if not rebooted:
-            self._baselines = {k: v for k, v in saved.baselines.items() if k in saved.conditions}
-        self._log.info(
-            "quarantine restored",
-            devices=restored,
-            rebooted_since=rebooted or None,
-            released_by_reboot=(len(saved.conditions) - restored) or None,
-        )
-        self.state.set_unhealthy(self.tracker.unhealthy(()).keys())
-        self._save_quarantine(force=True)
+    def _announce(self, event: EventSpec) -> None:
+        if self.publisher is not None:
+            self.publisher.announce(event)
 
-    def _save_quarantine(self, *, force: bool = False) -> None:
-        """Keep the quarantine on disk when what is quarantined changed (caller holds the health
-        lock). Repeats of an open condition do not write: a flood costs no disk writes."""
-        if self._store is None:
-            return
-        quarantined = self.tracker.quarantined()
-        keys = frozenset(
-            (device_id, c.reason, c.clears_by.value)
-            for device_id, conditions in quarantined.items()
-            for c in conditions
-        )
-        if keys == self._quarantine_keys and not force:
-            return
-        self._quarantine_keys = keys
-        try:
-            self._store.save(
-                Quarantine(
-                    boot_id=self.boot_id,
-                    conditions={k: tuple(v) for k, v in quarantined.items()},
-                    baselines={k: v for k, v in self._baselines.items() if k in quarantined},
-                )
-            )
-        except OSError as exc:
-            self.step_failures["quarantine_save"] += 1
-            self._log.error("quarantine not saved", error=str(exc))
-
-    def _expire(self, now: float) -> None:
-        with self._health_lock:
-            changes = self.tracker.expire(now)
-            if changes:
-                self._publish(changes)
-                self._save_quarantine()
-
-    def _rediscover(self) -> None:
-        started = time.monotonic()
-        fresh = discover_node(self.settings)
-        self.discovery_seconds = time.monotonic() - started
-        carried = carry_forward(
-            self.state.snapshot().inventory, fresh, carried=self._gone, settings=self.settings
-        )
-        newly_gone = [d for d in carried.gone if d.id not in self._gone]
-        self._gone = frozenset(d.id for d in carried.gone)
-        if self.state.set_inventory(carried.inventory):
-            self._log.info("inventory changed", devices=len(carried.inventory.devices))
-            self.stop.wake.set()  # servers for new resources now, not at the next plugin round
-        now = time.monotonic()
-        for vendor in {r.vendor for r in carried.inventory.reports}:
-            failed = carried.failed.get(vendor)
-            if failed is not None:
-                self.report(
-                    HealthEvent(vendor, None, DISCOVERY_FAILED, Level.WARN, now, detail=failed)
-                )
-            elif vendor in self._discovery_failed:
-                self.report(
-                    HealthEvent(vendor, None, DISCOVERY_FAILED, Level.WARN, now, cleared=True)
-                )
-        self._discovery_failed = frozenset(carried.failed)
-        for device in newly_gone:
-            detail = "no longer listed by discovery; kept, advertised Unhealthy"
-            self.report(
-                HealthEvent(
-                    device.vendor,
-                    device.id,
-                    DEVICE_GONE,
-                    Level.DEVICE_FATAL,
-                    now,
-                    detail=detail,
-                    clears_by=ClearsBy.CONDITION,
-                )
-            )
-        # Being listed again ends only the device's absence: it is no evidence of a reset.
-        with self._health_lock:
-            changes = self.tracker.clear(carried.returned, Evidence.GONE, reasons={DEVICE_GONE})
-            self._publish(changes)
-
-    def _publish(self, changes: list[Transition]) -> None:
-        """Push the tracker's view into the device state (caller holds the health lock)."""
-        devices = self.state.snapshot().inventory.devices
-        self.state.set_unhealthy(self.tracker.unhealthy(devices).keys() | self._cordoned)
-        if changes:
-            self.stop.wake.set()  # the plugin round plans for a quiet period that may have begun
-        for change in changes:
-            self._log.log(
-                30 if change.to == "Unhealthy" else 20,
-                "device health changed",
-                device=change.device_id,
-                to=change.to,
-                reason=change.reason,
-                detail=change.detail or None,
-            )
+    def _claimable(self, snapshot: Snapshot) -> Claimable:
+        serve = self.settings.serve
+        return claimable(snapshot.inventory, lambda v: serve(v.value) != "device-plugin")
 
     def _guarded(self, step: str, action: Callable[[], None]) -> None:
         try:
@@ -1029,7 +385,3 @@ class Agent:
         except Exception:
             self.step_failures[step] += 1
             self._log.exception("agent step failed", step=step, failures=self.step_failures[step])
-
-
-POLLED_REASON_PREFIXES = ("XPU_", "DCU_", "NPU_")
-EVENT_LOG_SECONDS = 10.0

@@ -1,5 +1,5 @@
 """A stand-in for kubelet's pod-resources server: `v1.PodResourcesLister` on a real unix socket,
-answering `List` with whatever assignments the test sets (or failing, when told to).
+answering `List` with whatever assignments the test sets (or failing, or hanging, when told to).
 
 Attribution through the real pod-resources API is proven against a real kubelet (tests/cluster,
 marker `kubelet`). This stand-in stays for tests without root or a control plane and for a
@@ -26,12 +26,16 @@ class _Lister(api_pb2_grpc.PodResourcesListerServicer):
         self.response = api_pb2.ListPodResourcesResponse()
         self.failure: grpc.StatusCode | None = None
         self.calls = 0
+        self.answer = threading.Event()  # cleared: every List hangs until it is set
+        self.answer.set()
 
     def List(
         self, request: api_pb2.ListPodResourcesRequest, context: grpc.ServicerContext
     ) -> api_pb2.ListPodResourcesResponse:
         with self.lock:
             self.calls += 1
+        self.answer.wait()
+        with self.lock:
             failure, response = self.failure, self.response
         if failure is not None:
             context.abort(failure, "stand-in told to fail")
@@ -51,7 +55,15 @@ class PodResourcesStandIn:
         self._server.start()
 
     def stop(self) -> None:
+        self.lister.answer.set()  # a hung List must not hold up the server's stop
         self._server.stop()
+
+    def hang(self) -> None:
+        """Every List from now on waits, unanswered, until `answer_again`."""
+        self.lister.answer.clear()
+
+    def answer_again(self) -> None:
+        self.lister.answer.set()
 
     def assign(self, assignments: Assignments) -> None:
         pods = [

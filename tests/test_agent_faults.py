@@ -26,6 +26,8 @@ from edl_agent.sim.inject import inject_xid
 from edl_agent.sim.profile import load_profile
 from edl_agent.sim.tree import build_tree
 from tests.podresources_standin import PodResourcesStandIn
+from tests.test_health_agent import gpu_ids, health_of, watch_gpus
+from tests.test_plugin import running_node
 
 FINISHED = "2026-05-01T12:00:00Z"
 
@@ -266,3 +268,37 @@ def test_a_device_fault_waits_for_kubelets_pod_resources_answer_instead_of_being
         agent.stop.set()
         thread.join(timeout=10)
     assert not thread.is_alive()
+
+
+def test_xids_reach_list_and_watch_while_kubelets_pod_resources_api_hangs(
+    tmp_path: Path, pod_resources: PodResourcesStandIn
+) -> None:
+    """Device faults ask kubelet who holds a device that turned Unhealthy; a kubelet whose List
+    never answers holds up only that part. A burst of XIDs on every GPU, through the real NVML
+    event path, turns each GPU Unhealthy in ListAndWatch while the first List still hangs (the
+    client's timeout is longer than the whole test may wait)."""
+    extra = {"pod_resources_socket": str(pod_resources.socket)}
+    with running_node(
+        tmp_path, "dgx-h100", extra=extra, faults=True, agent_args={"pod_resources_timeout": 60.0}
+    ) as node:
+        ids = gpu_ids(node)
+        pod_resources.assign({("ml", "trainer-z"): {"main": {"nvidia.com/gpu": ids}}})
+        watch = watch_gpus(node)
+        nvml = node.agent.nvml
+        wait_until("the NVML watcher", lambda: nvml is not None and nvml.ready)
+        pod_resources.hang()
+        try:
+            inject_xid(node.tree, 0, 79)
+            watch.until(lambda u: health_of(u)[ids[0]] == "Unhealthy")
+            wait_until("the device-fault part asking kubelet", lambda: pod_resources.calls > 0)
+            started = time.monotonic()
+            for index in range(1, 8):
+                inject_xid(node.tree, index, 79)
+            update = watch.until(lambda u: set(health_of(u).values()) == {"Unhealthy"})
+            took = time.monotonic() - started
+            print(f"7 XIDs to Unhealthy with a hanging pod-resources API: {took:.3f} s")
+            assert len(update.devices) == 8
+            assert pod_resources.calls == 1  # still the first List, unanswered all along
+        finally:
+            pod_resources.answer_again()
+            watch.cancel()

@@ -131,7 +131,7 @@ def test_claims_prepared_before_a_restart_are_withheld_from_the_device_plugin(
         snapshot = agent.state.snapshot()
         assert snapshot.withheld == {gpu5.id}
         # no plugin watcher here to accept the plugin; the claim counts from the checkpoint
-        assert agent._agent_counts().dra_plugins == {DRIVER: (False, 1)}
+        assert agent.agent_counts().dra_plugins == {DRIVER: (False, 1)}
         assert set(snapshot.resources["nvidia.com/gpu"].device_ids) >= {gpu5.id}
 
 

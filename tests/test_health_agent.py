@@ -256,17 +256,17 @@ def _is_sleeping_tool(process: psutil.Process) -> bool:
         return False
 
 
-def test_the_plugin_round_wakes_for_a_quiet_period_that_ends_before_it(tmp_path: Path) -> None:
-    """With kubelet's directory watched the round is long (presence only), but a quiet period
-    that ends sooner is a deadline of its own: the device is back when it ends."""
+def test_a_quiet_period_is_a_deadline_of_its_own(tmp_path: Path) -> None:
+    """The quiet-period part sleeps long while nothing is quiet, and is woken when a quiet
+    condition opens: the device is back when its quiet period ends."""
     extra = {"health": {"quiet_seconds": 0.3, "xid_clears_by": {"48": "quiet"}}}
     with running_node(tmp_path, "dgx-h100", extra=extra, health_poll_seconds=5.0) as node:
         ids = gpu_ids(node)
         watch = watch_gpus(node)
-        assert node.agent._plugins_tick_seconds() == 1.0  # nothing quiet: the watched round
+        assert node.agent.quiet.next_wait() == node.agent.quiet.idle_seconds  # nothing quiet
         inject.inject_xid(node.tree, 2, 48)
         watch.until(lambda u: health_of(u)[ids[2]] == "Unhealthy")
-        assert node.agent._plugins_tick_seconds() <= 0.3
+        assert node.agent.quiet.next_wait() <= 0.3
         watch.until(lambda u: health_of(u)[ids[2]] == "Healthy", timeout=10)
-        assert node.agent._plugins_tick_seconds() == 1.0
+        assert node.agent.quiet.next_wait() == node.agent.quiet.idle_seconds
         watch.cancel()

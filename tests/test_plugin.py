@@ -16,7 +16,6 @@ from typing import Any
 import grpc
 import pytest
 
-from edl_agent import agent as agent_module
 from edl_agent._proto.deviceplugin.v1beta1 import api_pb2
 from edl_agent.agent import Agent
 from edl_agent.config import load_settings
@@ -70,7 +69,13 @@ class Node:
 
 @contextlib.contextmanager
 def running_node(
-    tmp_path: Path, profile_name: str, *, extra: dict[str, Any] | None = None, **plugin: Any
+    tmp_path: Path,
+    profile_name: str,
+    *,
+    extra: dict[str, Any] | None = None,
+    agent_args: dict[str, Any] | None = None,
+    faults: bool = False,
+    **plugin: Any,
 ) -> Iterator[Node]:
     profile = load_profile(profile_name)
     tree = tmp_path / "node"
@@ -88,8 +93,10 @@ def running_node(
             **(extra or {}),
         },
     )
-    agent = Agent(settings)
+    agent = Agent(settings, **(agent_args or {}))
     agent.start_metrics()
+    if faults:
+        agent.start_faults(None)
     thread = threading.Thread(target=agent.run, name="agent")
     thread.start()
     try:
@@ -337,13 +344,12 @@ def test_kubelet_restarts_re_register_without_leaks(tmp_path: Path) -> None:
 
 
 def test_a_kubelet_restart_is_acted_on_when_its_socket_appears_not_at_the_next_tick(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
     """With a tick far longer than the test may wait, only the watch on kubelet's directory can
     bring the re-registration in time."""
-    monkeypatch.setattr(agent_module, "TICK_SECONDS", 120.0)
-    monkeypatch.setattr(agent_module, "WATCHED_TICK_SECONDS", 120.0)
-    with running_node(tmp_path, "dgx-h100") as node:
+    ticks = {"tick_seconds": 120.0, "watched_tick_seconds": 120.0}
+    with running_node(tmp_path, "dgx-h100", agent_args=ticks) as node:
         node.kubelet.wait_registered(node.resources)
         for _ in range(3):
             seen = len(node.kubelet.registrations)

@@ -1,10 +1,12 @@
 """Publishes the node's labels, AcceleratorHealthy condition and events, on its own thread.
 
 API calls can block for seconds; they must not hold up kubelet's device plugin or the health
-stream, so this loop runs apart from the supervisor. It wakes on every change of the device
-state (inventory, health, cordon) and at least every second, writes only what changed, and
-rewrites everything every `node.resync_seconds`. A failed write is logged, counted and retried
-on the next wake with backoff.
+stream, so this loop runs on its own thread (watched by the supervisor). It recomputes when an
+input changes and only then: the device state (inventory, health), what the health hub shows
+(reasons, failing monitors: `poke_event`, set through the hub's subscription), the Node as the
+watcher sees it (cordon and release annotations), an event to announce. It writes only what
+changed, and rewrites everything every `node.resync_seconds`. A failed write is logged, counted
+and retried with backoff.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
+from typing import Any
 
 import structlog
 
@@ -30,8 +33,19 @@ from edl_agent.labels.node import NodeUpdater
 from edl_agent.labels.watching import NodeWatcher
 from edl_agent.runtime.backoff import Backoff
 
-WAKE_SECONDS = 1.0
 MAX_BACKOFF_SECONDS = 30.0
+
+
+class _Poke(threading.Event):
+    """Set when an input other than the device state changed: also wakes the wait on it."""
+
+    def __init__(self, state: DeviceState) -> None:
+        super().__init__()
+        self._state = state
+
+    def set(self) -> None:
+        super().set()
+        self._state.wake()
 
 
 class NodePublisher:
@@ -56,9 +70,10 @@ class NodePublisher:
         self._announced: list[EventSpec] = []
         self._announce_lock = threading.Lock()
         self._monitors = monitors
+        self.poke_event: threading.Event = _Poke(state)
         node = state.snapshot().inventory.node
         self.updater = NodeUpdater(api=api, node_name=node, settings=settings.node)
-        self.watcher = NodeWatcher(api, node, self.updater.observe) if api is not None else None
+        self.watcher = NodeWatcher(api, node, self._observed) if api is not None else None
         self._machine = root.read_optional("/sys/class/dmi/id/product_name")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -76,7 +91,11 @@ class NodePublisher:
         operator's release), sent with the next write (any thread)."""
         with self._announce_lock:
             self._announced.append(event)
-        self._state.wake()
+        self.poke_event.set()
+
+    def _observed(self, node: Mapping[str, Any]) -> None:
+        self.updater.observe(node)
+        self.poke_event.set()  # its annotations may cordon or release devices
 
     def alive(self) -> bool:
         watching = self.watcher is None or self.watcher.alive()
@@ -92,7 +111,7 @@ class NodePublisher:
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
-        self._state.wake()
+        self.poke_event.set()
         if self.watcher is not None:
             self.watcher.stop()
         if self._thread is not None:
@@ -105,6 +124,7 @@ class NodePublisher:
         while not self._stop.is_set():
             now = time.monotonic()
             force = now >= next_resync
+            self.poke_event.clear()  # a poke while publishing comes round again
             try:
                 version = self.publish(force=force)
             except ApiError as exc:
@@ -122,7 +142,10 @@ class NodePublisher:
             backoff.reset()
             if force:
                 next_resync = now + self._settings.node.resync_seconds
-            self._state.wait_newer(version, WAKE_SECONDS, self._stop)
+            if self._stop.is_set():
+                break
+            wait = max(0.0, next_resync - time.monotonic())
+            self._state.wait_newer(version, wait, self.poke_event)
 
     def publish(self, *, force: bool = False) -> int:
         """Compute and write once; returns the state version it published."""

@@ -1,0 +1,118 @@
+"""The health hub and the parts around it, without a node: changes reach each subscriber's queue,
+the quarantine is written on the writer's thread (a write that hangs holds up no observer), and
+the quiet-period part sleeps until the earliest quiet period ends (a fake clock)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from edl_agent.config import HealthSettings
+from edl_agent.devices.model import Device, Inventory, Vendor, VendorReport
+from edl_agent.health.hub import HealthHub
+from edl_agent.health.model import ClearsBy, Evidence, HealthEvent, Level
+from edl_agent.health.quarantine_store import Quarantine, QuarantineStore
+from edl_agent.health.quarantine_writer import QuarantineWriter
+from edl_agent.health.quiet_periods import QuietPeriods
+from edl_agent.health.state import DeviceState
+
+GPUS = tuple(Device(Vendor.NVIDIA, "gpu", i, f"GPU-{i}", "H100", 81559) for i in range(2))
+INVENTORY = Inventory("node-a", (VendorReport(Vendor.NVIDIA, GPUS),), ())
+
+
+def xid(
+    device_id: str, code: int, at: float = 0.0, clears_by: ClearsBy | None = None
+) -> HealthEvent:
+    return HealthEvent(
+        Vendor.NVIDIA,
+        device_id,
+        f"XID{code}",
+        Level.DEVICE_FATAL,
+        at,
+        code=code,
+        clears_by=clears_by,
+    )
+
+
+class HangingStore(QuarantineStore):
+    """A store whose writes wait until the test lets them go."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(directory)
+        self.writing = threading.Event()
+        self.go = threading.Event()
+        self.saved: list[Quarantine] = []
+
+    def save(self, quarantine: Quarantine) -> bool:
+        self.writing.set()
+        self.go.wait(30)
+        self.saved.append(quarantine)
+        return super().save(quarantine)
+
+
+def test_changes_reach_every_subscription_and_one_not_taking_holds_up_nobody() -> None:
+    state = DeviceState(INVENTORY)
+    hub = HealthHub(state, HealthSettings(), boot_id="boot-1")
+    eager, idle = threading.Event(), threading.Event()
+    taken = hub.subscribe(eager, lambda change: bool(change.turned))
+    hub.subscribe(idle)  # never taken from
+    poke = threading.Event()
+    looker = hub.subscribe(poke, keep=False)  # only told to look again: nothing piles up
+    hub.report(xid("GPU-1", 79))
+    assert eager.is_set()
+    assert poke.is_set()
+    assert looker.take() == []
+    assert state.snapshot().unhealthy == {"GPU-1"}
+    [change] = taken.take()
+    assert [device for device, _ in change.turned] == ["GPU-1"]
+    assert change.turned[0][1].reason == "XID79"
+    hub.report(xid("GPU-1", 79))  # a repeat: no transition, nothing for this subscription
+    assert taken.take() == []
+    hub.release({"GPU-1"})
+    assert state.snapshot().unhealthy == frozenset()
+
+
+def test_the_quarantine_is_written_on_the_writers_thread_and_a_hung_write_blocks_no_report(
+    tmp_path: Path,
+) -> None:
+    store = HangingStore(tmp_path)
+    stop, wake = threading.Event(), threading.Event()
+    writer = QuarantineWriter(store, wake)
+    hub = HealthHub(DeviceState(INVENTORY), HealthSettings(), boot_id="boot-1", writer=writer)
+    thread = threading.Thread(target=writer.run, args=(stop, lambda: None))
+    thread.start()
+    try:
+        hub.report(xid("GPU-0", 79))
+        assert store.writing.wait(10)  # the writer is inside the (hung) write
+        hub.report(xid("GPU-1", 95))  # returns: the observer never waits for the disk
+        assert "GPU-1" in hub.unhealthy()
+    finally:
+        store.go.set()
+        stop.set()
+        wake.set()
+        thread.join(10)
+    assert not thread.is_alive()
+    assert set(store.saved[-1].conditions) == {"GPU-0", "GPU-1"}  # the latest, written last
+    loaded = QuarantineStore(tmp_path).load()
+    assert loaded is not None
+    assert set(loaded.conditions) == {"GPU-0", "GPU-1"}
+
+
+def test_the_quiet_part_sleeps_until_the_earliest_quiet_period_ends() -> None:
+    now = [100.0]
+    hub = HealthHub(DeviceState(INVENTORY), HealthSettings(quiet_seconds=30), boot_id=None)
+    wake = threading.Event()
+    quiet = QuietPeriods(hub, wake, idle_seconds=300, clock=lambda: now[0])
+    assert quiet.next_wait() == 300  # nothing quiet: it only waits for the hub
+    hub.report(xid("GPU-0", 31, at=95.0, clears_by=ClearsBy.QUIET))
+    assert wake.is_set()  # a quiet period opened: the part plans again
+    wake.clear()
+    hub.report(xid("GPU-0", 31, at=100.0, clears_by=ClearsBy.QUIET))
+    assert not wake.is_set()  # a repeat only pushes the end later: its wait ends, then it looks
+    now[0] = 110.0
+    assert quiet.next_wait() == 20
+    assert hub.expire(now[0]) == []
+    now[0] = 130.0
+    [back] = hub.expire(now[0])
+    assert (back.device_id, back.evidence) == ("GPU-0", Evidence.QUIET)
+    assert quiet.next_wait() == 300
