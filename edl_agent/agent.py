@@ -17,7 +17,6 @@ whose pod-resources API does not answer) holds up only itself.
 from __future__ import annotations
 
 import functools
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -59,6 +58,7 @@ from edl_agent.metrics.inputs import AgentCounts
 from edl_agent.plugin.manager import PluginManager
 from edl_agent.plugin.presence_round import PresenceRound
 from edl_agent.plugin.round import TICK_SECONDS, WATCHED_TICK_SECONDS, PluginRound
+from edl_agent.runtime import supervisor
 from edl_agent.runtime.supervisor import Part, Supervisor, Watched
 
 if TYPE_CHECKING:
@@ -71,27 +71,17 @@ if TYPE_CHECKING:
     from edl_agent.metrics.node import NodeMetrics
 
 
-class StopSignal(threading.Event):
+class StopSignal(supervisor.StopSignal):
     """The agent's stop flag; setting it also ends every part's wait for its next round: the
-    plugin round's `wake` (which a change in kubelet's directory sets too) and each `waker()`."""
+    plugin round's `wake` (which a change in kubelet's directory sets too) and each `waker()`.
+    Watched parts under it are heard as they end, not polled."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.wake = threading.Event()
-        self._wakes = [self.wake]
+        self.wake = self.waker()
 
-    def waker(self) -> threading.Event:
-        """A wake-up event of one part, set by `set()` too."""
-        event = threading.Event()
-        self._wakes.append(event)
-        if self.is_set():
-            event.set()
-        return event
 
-    def set(self) -> None:
-        super().set()
-        for event in self._wakes:
-            event.set()
+PUBLISHER_CHECK_SECONDS = 5.0
 
 
 @dataclass
@@ -249,7 +239,10 @@ class Agent:
         )
         self.hub.subscribe(self.publisher.poke_event, lambda change: change.shown, keep=False)
         self.publisher.start()
-        self.supervisor.add(Watched("node-publisher", self.publisher), critical=False)
+        # Its own watches restart themselves; a publisher that died is seen within 5 s (looked
+        # at, not told: what is alive is the publisher's thread and its watches together).
+        publisher = Watched("node-publisher", self.publisher, poll_seconds=PUBLISHER_CHECK_SECONDS)
+        self.supervisor.add(publisher, critical=False)
 
     def start_dra(self, api: NodeApi | None) -> None:
         """Serve the vendors whose `serve` is `dra` or `both` through DRA (dra/node.py; only

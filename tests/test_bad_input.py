@@ -865,7 +865,7 @@ RESTARTER_CASES = [
         "--set",
         "colour=red",
         id="r-config-unknown-key",
-        message="colour: unknown key (from --set; known keys: election, intake, kubeconfig",
+        message="colour: unknown key (from --set; known keys: controller, election, intake",
     ),
 ]
 

@@ -110,8 +110,9 @@ def test_a_watched_thread_that_ended_is_started_again() -> None:
 
         def restart(self) -> None:
             self.starts += 1
+            # The first thread ends by itself; the second runs until the test is over.
             self.thread = threading.Thread(
-                target=time.sleep, args=(0.05 if self.starts == 1 else 30,), daemon=True
+                target=self.done.wait, args=(0.05 if self.starts == 1 else 30,), daemon=True
             )
             self.thread.start()
 
@@ -126,6 +127,8 @@ def test_a_watched_thread_that_ended_is_started_again() -> None:
     stop.set()
     supervisor.join(timeout=5)
     owner.done.set()
+    assert owner.thread is not None
+    owner.thread.join(timeout=5)
 
 
 def test_backoff_doubles_with_jitter_up_to_its_cap_and_resets() -> None:

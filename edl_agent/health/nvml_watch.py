@@ -39,6 +39,7 @@ from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.model import Vendor
 from edl_agent.devices.nvidia import LIBRARY, find_library, nvml_session
 from edl_agent.health.model import HealthEvent, Level
+from edl_agent.runtime.ending import EndNotice
 
 NVML_INIT_FAILED = "NVML_INIT_FAILED"
 NVML_EVENT_LOOP_FAILED = "NVML_EVENT_LOOP_FAILED"
@@ -91,6 +92,7 @@ class NvmlWatcher:
         self._ready = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._ends = EndNotice()
         self._failing: set[str] = set()
         self._uuids: dict[int, str] = {}  # by GPU index; outlives sessions to name lost GPUs
         self._lost: set[int] = set()
@@ -105,8 +107,12 @@ class NvmlWatcher:
         if self._thread is not None:
             msg = "NvmlWatcher already started"
             raise RuntimeError(msg)
-        self._thread = threading.Thread(target=self._run, name="nvml-watch", daemon=True)
+        self._thread = self._ends.thread(self._run, "nvml-watch")
         self._thread.start()
+
+    def notify_on_end(self, callback: Callable[[], None] | None) -> None:
+        """The supervisor's `Watched` is told when the loop's thread ends (no polling)."""
+        self._ends.notify_on_end(callback)
 
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()

@@ -21,10 +21,13 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from edl_agent.address import parse_host_port
+from edl_agent.runtime.ending import EndNotice
 
 # Idle keep-alive connections hold a thread each; drop them after this long.
 CONNECTION_TIMEOUT_SECONDS = 60.0
-SHUTDOWN_POLL_SECONDS = 0.5
+# The serving loop's poll; a stop does not wait for it (`_knock`), so it only bounds a stop whose
+# knock cannot connect. Long, so that an idle agent does not wake for it.
+SHUTDOWN_POLL_SECONDS = 5.0
 
 Readiness = Callable[[], tuple[bool, str]]
 
@@ -37,6 +40,17 @@ def parse_address(address: str) -> tuple[str, int]:
     """`:9400` (every interface), `127.0.0.1:9400`, `localhost:9400`, `[::1]:9400` →
     (host, port); host is "" for every interface. Raises ValueError naming the problem."""
     return parse_host_port(address)
+
+
+def _knock(address: tuple[Any, ...]) -> None:
+    """Connect to the server's own socket and leave: its poll returns at once."""
+    host = str(address[0])
+    local = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)  # noqa: S104 - a bind-all address
+    try:
+        with socket.create_connection((local, address[1]), timeout=0.2):
+            pass
+    except OSError:
+        pass  # the poll's own end comes soon enough
 
 
 class _HTTPServer(ThreadingHTTPServer):
@@ -134,6 +148,7 @@ class MetricsServer:
         self._ready = ready
         self._server: _HTTPServer | None = None
         self._thread: threading.Thread | None = None
+        self._ends = EndNotice()
         self._log = structlog.get_logger().bind(address=address)
 
     @property
@@ -153,14 +168,16 @@ class MetricsServer:
         if self._server is not None:
             return
         self._server = _HTTPServer(self.host, self._requested_port, _Handler, self)
-        self._thread = threading.Thread(
-            target=self._server.serve_forever,
-            kwargs={"poll_interval": SHUTDOWN_POLL_SECONDS},
-            name="metrics-http",
-            daemon=True,
+        server = self._server
+        self._thread = self._ends.thread(
+            lambda: server.serve_forever(poll_interval=SHUTDOWN_POLL_SECONDS), "metrics-http"
         )
         self._thread.start()
         self._log.info("serving metrics", port=self.port)
+
+    def notify_on_end(self, callback: Callable[[], None] | None) -> None:
+        """The supervisor's `Watched` is told when the serving thread ends (no polling)."""
+        self._ends.notify_on_end(callback)
 
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -176,7 +193,13 @@ class MetricsServer:
         self._server = self._thread = None
         if server is None:
             return
-        server.shutdown()
+        # shutdown() waits until the serving loop looks at its flag, which it does once a poll
+        # ends: a connection of our own ends the poll at once instead of in SHUTDOWN_POLL_SECONDS.
+        stopping = threading.Thread(target=server.shutdown, name="metrics-shutdown")
+        stopping.start()
+        while stopping.is_alive():
+            _knock(server.server_address)
+            stopping.join(0.05)
         server.server_close()
         if thread is not None:
             thread.join()

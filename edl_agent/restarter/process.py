@@ -11,7 +11,6 @@ and run again after a backoff; /readyz is false while any of them is down or not
 from __future__ import annotations
 
 import secrets
-import signal
 import socket
 import threading
 import time
@@ -35,6 +34,7 @@ from edl_agent.restarter.settings import RestarterSettings
 from edl_agent.restarter.storm import StormGuard
 from edl_agent.restarter.watchers import ClusterWatcher
 from edl_agent.runtime.backoff import Backoff
+from edl_agent.runtime.signals import stop_on_signals
 from edl_agent.runtime.supervisor import StopSignal, Supervisor
 
 logger = structlog.get_logger(__name__)
@@ -127,8 +127,10 @@ class Restarter:
         return None
 
     def run(self) -> int:
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, lambda *_: self.stop.set())
+        with stop_on_signals(self.stop.set):
+            return self._run()
+
+    def _run(self) -> int:
         metrics_server: MetricsServer | None = None
         address = self.settings.metrics_addr
         if address:

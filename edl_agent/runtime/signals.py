@@ -3,9 +3,12 @@
 Python runs a signal handler on the main thread between two bytecodes, also while that thread
 holds a lock. A handler that sets a `threading.Event` takes the event's lock: a second signal
 arriving while the first handler is inside `Event.set` runs the handler again on the same
-thread, which then waits for the lock it holds — for ever. So the handler here only writes a byte
-to a non-blocking pipe (no lock, no allocation worth the name), and a thread of its own reads the
-pipe and sets the stop once. Any number of signals, in any rhythm, stop the process once.
+thread, which then waits for the lock it holds — for ever. And when the kernel hands the signal
+to another thread while the main thread blocks in a lock, the Python handler does not run at
+all until the main thread wakes — which may be never. So the signal reaches a pipe at C level
+(`signal.set_wakeup_fd`: the interpreter's own handler writes the signal number, in whichever
+thread took it), the Python handler does nothing that can block, and a thread of its own reads
+the pipe and sets the stop once. Any number of signals, in any rhythm, stop the process once.
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# Bytes on the pipe besides the signal numbers the wakeup fd writes (all below 65).
+STOP_BYTE = 0x21  # "!": a direct call of the handler
+END_BYTE = 0x2E  # ".": the block ends
 Handler = Callable[[int, FrameType | None], object] | int | None
 
 
@@ -32,8 +38,11 @@ def stop_on_signals(
     os.set_blocking(read_end, True)
 
     def handler(_signum: int, _frame: FrameType | None) -> None:
+        # The wakeup fd already carries a real signal; this covers a direct call.
         with contextlib.suppress(OSError):  # a full pipe already says "stop"
-            os.write(write_end, b"!")
+            os.write(write_end, bytes([STOP_BYTE]))
+
+    wanted = {int(signum) for signum in signals} | {STOP_BYTE}
 
     def relay() -> None:
         stopped = False
@@ -42,15 +51,16 @@ def stop_on_signals(
                 got = os.read(read_end, 64)
             except OSError:
                 return
-            if b"!" in got and not stopped:
+            if wanted.intersection(got) and not stopped:
                 stopped = True
                 stop()
-            if not got or b"." in got:
+            if not got or END_BYTE in got:
                 return
 
     thread = threading.Thread(target=relay, name="stop-signals", daemon=True)
     thread.start()
     previous: dict[signal.Signals, Handler] = {}
+    old_fd = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
     try:
         for signum in signals:
             previous[signum] = signal.signal(signum, handler)
@@ -58,9 +68,10 @@ def stop_on_signals(
     finally:
         for signum, old in previous.items():
             signal.signal(signum, old)
+        signal.set_wakeup_fd(old_fd)
         with contextlib.suppress(OSError):
             os.set_blocking(write_end, True)
-            os.write(write_end, b".")  # the relay's own stop
+            os.write(write_end, bytes([END_BYTE]))  # the relay's own stop
         thread.join(timeout=5.0)
         os.close(write_end)
         os.close(read_end)
