@@ -21,7 +21,7 @@ from edl_agent.errors import UsageError
 from edl_agent.preflight import check_host_root
 from edl_agent.restarter import cli as restarter_cli
 from edl_agent.settings_loader import ConfigError, assignment, describe_settings, set_path
-from edl_agent.sim import inject_cli
+from edl_agent.sim import commands as sim_commands_module
 
 if TYPE_CHECKING:
     from edl_agent.agent import Agent
@@ -173,48 +173,14 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("--keys", action="store_true", help="list every key, default and meaning")
     config.set_defaults(handler=_config)
 
-    simulate = commands.add_parser(
+    sim_commands = commands.add_parser(
         "simulate",
-        help="build and list simulated nodes",
-        description="Simulated nodes are directory trees with device files, sysfs attributes, "
-        "vendor-tool stand-ins and a fake libnvidia-ml.so.1 (compiled with gcc) that serve a "
-        "profile's hardware to the same discovery code that reads a real node.",
+        help="build, record and list simulated nodes",
+        description=sim_commands_module.DESCRIPTION,
+    ).add_subparsers(dest="sim_command", metavar="SUBCOMMAND", required=True)
+    sim_commands_module.add_parsers(
+        sim_commands, node_options=_node_options(), record=_simulate_record
     )
-    sim_commands = simulate.add_subparsers(dest="sim_command", metavar="SUBCOMMAND", required=True)
-    sim_list = sim_commands.add_parser("list", help="list the shipped profiles")
-    sim_list.set_defaults(handler=_simulate_list)
-    sim_build = sim_commands.add_parser(
-        "build",
-        help="write a simulated node's host-root tree",
-        description="Write the host-root tree of PROFILE into DIR (created if missing; must be "
-        "empty). Point any command at it with --host-root DIR.",
-    )
-    sim_build.add_argument("profile", metavar="PROFILE", help="a name from `simulate list`")
-    sim_build.add_argument("directory", metavar="DIR", type=Path, help="where to write the tree")
-    sim_build.set_defaults(handler=_simulate_build)
-    sim_record = sim_commands.add_parser(
-        "record",
-        parents=[_node_options()],
-        help="record a real NVIDIA node into a recording a simulated node can replay",
-        description="Read the node's GPUs through NVML (every query discovery, the health "
-        "watcher, telemetry and reset evidence make), the sysfs and /proc files discovery "
-        "reads, `nvidia-smi -q`, `-L` and `topo -m`, and what `discover` finds, into DIR. "
-        "UUIDs, serial numbers and the host name are replaced by stable stand-ins. Replay it "
-        "with `simulate replay DIR TREE` or `--simulate DIR`. Needs only NVML and read access: "
-        "nothing on the node is changed.",
-    )
-    sim_record.add_argument("directory", metavar="DIR", type=Path, help="where to write it")
-    sim_record.set_defaults(handler=_simulate_record)
-    sim_replay = sim_commands.add_parser(
-        "replay",
-        help="write a simulated node's tree from a recording",
-        description="Write the host-root tree of the node recorded in RECORDING into DIR "
-        "(created if missing; must be empty).",
-    )
-    sim_replay.add_argument("recording", metavar="RECORDING", type=Path)
-    sim_replay.add_argument("directory", metavar="DIR", type=Path, help="where to write the tree")
-    sim_replay.set_defaults(handler=_simulate_replay)
-    inject_cli.add_parser(sim_commands)
     return parser
 
 
@@ -309,37 +275,10 @@ def node_settings(args: argparse.Namespace) -> Iterator[Settings]:
         settings = settings_from_args(args, defaults=defaults, host_root=tmp)
         structlog.get_logger().info("building simulated node", profile=name, root=tmp)
         if is_recording(recording):
-            _replay_tree(recording, Path(tmp))
+            sim_commands_module.replay_tree(recording, Path(tmp))
         else:
-            _build_tree(name, Path(tmp))
+            sim_commands_module.build_tree(name, Path(tmp))
         yield settings
-
-
-def _build_tree(name: str, directory: Path) -> None:
-    from edl_agent.sim.fake_nvml_build import FakeNvmlBuildError
-    from edl_agent.sim.profile import load_profile
-    from edl_agent.sim.tree import build_tree
-
-    try:
-        build_tree(load_profile(name), directory)
-    except FakeNvmlBuildError as exc:
-        raise UsageError(str(exc)) from None
-    except OSError as exc:
-        msg = f"cannot write simulated node into {directory}: {exc.strerror or exc}"
-        raise UsageError(msg) from None
-
-
-def _replay_tree(recording: Path, directory: Path) -> None:
-    from edl_agent.sim.fake_nvml_build import FakeNvmlBuildError
-    from edl_agent.sim.replay import replay
-
-    try:
-        replay(recording, directory)
-    except FakeNvmlBuildError as exc:
-        raise UsageError(str(exc)) from None
-    except OSError as exc:
-        msg = f"cannot write the replayed node into {directory}: {exc.strerror or exc}"
-        raise UsageError(msg) from None
 
 
 def _discover(args: argparse.Namespace) -> int:
@@ -449,34 +388,13 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
-def _simulate_list(_: argparse.Namespace) -> int:
-    from edl_agent.sim.profile import load_profile, profile_names
-
-    for name in profile_names():
-        print(f"{name:16} {load_profile(name).description}")
-    return 0
-
-
-def _simulate_build(args: argparse.Namespace) -> int:
-    log.configure()
-    directory: Path = args.directory
-    from edl_agent.sim.profile import load_profile
-
-    load_profile(args.profile)  # unknown or malformed profiles fail before anything is written
-    _require_empty(directory)
-    _build_tree(args.profile, directory)
-    print(f"simulated node {args.profile} written to {directory}")
-    print(f"read it with: edl-agent discover --host-root {directory}")
-    return 0
-
-
 def _simulate_record(args: argparse.Namespace) -> int:
     from edl_agent.devices.discovery import discover_node
     from edl_agent.devices.hostroot import HostRoot
     from edl_agent.sim.record import RecordError, record
 
     directory: Path = args.directory
-    _require_empty(directory)
+    sim_commands_module.require_empty(directory)
     with node_settings(args) as settings:
         root = HostRoot.at(settings.host_root)
         try:
@@ -491,25 +409,6 @@ def _simulate_record(args: argparse.Namespace) -> int:
     )
     print(f"replay it with: edl-agent discover --simulate {directory}")
     return 0
-
-
-def _simulate_replay(args: argparse.Namespace) -> int:
-    log.configure()
-    from edl_agent.sim.replay import read_meta
-
-    directory: Path = args.directory
-    meta = read_meta(args.recording)
-    _require_empty(directory)
-    _replay_tree(args.recording, directory)
-    print(f"node recorded {meta.get('recorded_at')} written to {directory}")
-    print(f"read it with: edl-agent discover --host-root {directory}")
-    return 0
-
-
-def _require_empty(directory: Path) -> None:
-    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
-        msg = f"{directory}: exists and is not an empty directory"
-        raise UsageError(msg)
 
 
 def render_table(inventory: Inventory) -> str:

@@ -31,12 +31,11 @@ from edl_agent.dra.slices import (
     carry_taint_times,
     desired_slices,
     dropped_features,
-    mib_quantity,
     same_content,
-    semver,
     slice_name,
     without_features,
 )
+from edl_agent.dra.values import mib_quantity, semver
 from edl_agent.health.state import DeviceState
 from edl_agent.kube import ApiError
 from edl_agent.sim.profile import load_profile

@@ -29,7 +29,8 @@ import yaml
 
 from edl_agent import kube_rest
 from edl_agent.kube import ApiError, KubeApi, KubeConfigError
-from edl_agent.kube_rest import Credentials, RestKubeApi, TokenFile, read_kubeconfigs, rest_client
+from edl_agent.kube_credentials import Credentials, TokenFile
+from edl_agent.kube_rest import RestKubeApi, read_kubeconfigs, rest_client
 
 MERGE = "application/merge-patch+json"
 STRATEGIC = "application/strategic-merge-patch+json"

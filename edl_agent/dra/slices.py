@@ -47,6 +47,14 @@ from edl_agent.config import Settings
 from edl_agent.devices import names
 from edl_agent.devices.model import Device, Health, Inventory, UnitKind, Vendor
 from edl_agent.devices.resources import advertised_resources, product_model
+from edl_agent.dra.values import (
+    int_value,
+    mib_quantity,
+    optional_string_value,
+    semver,
+    string_value,
+    version_value,
+)
 from edl_agent.health.state import Snapshot
 from edl_agent.kube_time import format_time
 from edl_agent.labels.compute import label_value
@@ -60,16 +68,11 @@ PCI_BUS_ID = "resource.kubernetes.io/pciBusID"
 # counters. Always 64: a device turning unhealthy must not re-split the pool.
 MAX_DEVICES_PER_SLICE = 64
 MAX_COUNTER_SETS_PER_SLICE = 8
-MAX_ATTRIBUTE_LENGTH = 64
 MAX_SLICE_NAME = 253
 # Features whose fields an API server drops when they are off (their feature gates' names).
 CONSUMABLE_CAPACITY = "DRAConsumableCapacity"
 DEVICE_TAINTS = "DRADeviceTaints"
 PARTITIONABLE_DEVICES = "DRAPartitionableDevices"
-
-_BINARY_SUFFIXES = ("Ki", "Mi", "Gi", "Ti", "Pi", "Ei")
-_VERSION_NUMBERS = re.compile(r"^v?(\d+)(?:\.(\d+))?(?:\.(\d+))?(?:\.(\d+))?")
-_VERSION_WORD = re.compile(r"[^0-9A-Za-z-]+")
 
 
 def desired_slices(
@@ -206,37 +209,6 @@ def without_features(specs: Sequence[Spec], features: Collection[str]) -> list[S
     return kept
 
 
-def mib_quantity(mib: int) -> str:
-    """MiB as the API server writes the quantity back (its canonical form): `81920` → `80Gi`,
-    `81559` → `81559Mi`."""
-    if mib <= 0:
-        return "0"
-    amount, suffix = mib, "Mi"
-    for larger in _BINARY_SUFFIXES[2:]:
-        if amount % 1024:
-            break
-        amount, suffix = amount // 1024, larger
-    return f"{amount}{suffix}"
-
-
-def semver(version: str) -> str | None:
-    """A driver's version as the semantic version a `version` attribute needs: leading zeros
-    dropped, missing parts 0, a fourth number as build metadata, the rest a pre-release:
-    `535.183.01` → `535.183.1`, `24.1.rc2` → `24.1.0-rc2`, `5.0.21.21` → `5.0.21+21`."""
-    match = _VERSION_NUMBERS.match(version.strip())
-    if match is None:
-        return None
-    major, minor, patch, fourth = (str(int(part)) if part else None for part in match.groups())
-    core = f"{major}.{minor or 0}.{patch or 0}"
-    rest = _VERSION_WORD.sub(".", version.strip()[match.end() :]).strip(".-")
-    if rest:
-        parts = [(p.lstrip("0") or "0") if p.isdigit() else p for p in rest.split(".")]
-        core += "-" + ".".join(parts)
-    if fourth is not None:
-        core += f"+{fourth}"
-    return core if len(core) <= MAX_ATTRIBUTE_LENGTH else None
-
-
 # --- devices ----------------------------------------------------------------------------------
 
 
@@ -361,26 +333,26 @@ def _device_entry(device: Device, context: _Context) -> Spec:
 def _attributes(device: Device, context: _Context) -> dict[str, dict[str, Any]]:
     facts = device.attributes
     attributes: dict[str, dict[str, Any]] = {
-        "vendor": _string(device.vendor.value),
-        "kind": _string(device.kind),
-        "product": _string(device.product),
-        "model": _string(product_model(device.product)),
-        "id": _string(device.id),
+        "vendor": string_value(device.vendor.value),
+        "kind": string_value(device.kind),
+        "product": string_value(device.product),
+        "model": string_value(product_model(device.product)),
+        "id": string_value(device.id),
         "index": {"int": device.index},
     }
     uuid = device.id if device.vendor is Vendor.NVIDIA else facts.get("uuid")
     optional: dict[str, dict[str, Any] | None] = {
-        "uuid": _string(uuid) if uuid else None,
-        "serial": _optional_string(facts.get("serial") or facts.get("serial_number")),
+        "uuid": string_value(uuid) if uuid else None,
+        "serial": optional_string_value(facts.get("serial") or facts.get("serial_number")),
         "numaNode": {"int": device.numa_node} if _known(device.numa_node) else None,
-        PCI_BUS_ID: _optional_string(device.pci_bus_id),
-        "driverVersion": _version(context.driver_version),
-        "architecture": _optional_string(facts.get("architecture")),
-        "computeCapability": _version(semver(facts.get("compute_capability", ""))),
-        "computeUnits": _int(facts.get("compute_units")),
+        PCI_BUS_ID: optional_string_value(device.pci_bus_id),
+        "driverVersion": version_value(context.driver_version),
+        "architecture": optional_string_value(facts.get("architecture")),
+        "computeCapability": version_value(semver(facts.get("compute_capability", ""))),
+        "computeUnits": int_value(facts.get("compute_units")),
     }
     if device.vendor is Vendor.NVIDIA:
-        optional["cudaDriverVersion"] = _version(context.cuda_version)
+        optional["cudaDriverVersion"] = version_value(context.cuda_version)
     if device.parent is not None:
         for key, value in _mig_attributes(device, context.by_id.get(device.parent)).items():
             if optional.get(key) is None:
@@ -394,14 +366,14 @@ def _mig_attributes(device: Device, parent: Device | None) -> dict[str, dict[str
     capability, architecture and serial hold for the GPU's partitions too)."""
     facts = device.attributes
     return {
-        "migProfile": _optional_string(facts.get("mig_profile")),
-        "parentUUID": _string(parent.id) if parent is not None else None,
+        "migProfile": optional_string_value(facts.get("mig_profile")),
+        "parentUUID": string_value(parent.id) if parent is not None else None,
         "parentIndex": {"int": parent.index} if parent is not None else None,
-        "gpuInstance": _int(facts.get("gpu_instance_id")),
-        "computeInstance": _int(facts.get("compute_instance_id")),
-        "computeCapability": _version(semver(_fact(parent, "compute_capability"))),
-        "architecture": _optional_string(_fact(parent, "architecture")),
-        "serial": _optional_string(_fact(parent, "serial")),
+        "gpuInstance": int_value(facts.get("gpu_instance_id")),
+        "computeInstance": int_value(facts.get("compute_instance_id")),
+        "computeCapability": version_value(semver(_fact(parent, "compute_capability"))),
+        "architecture": optional_string_value(_fact(parent, "architecture")),
+        "serial": optional_string_value(_fact(parent, "serial")),
     }
 
 
@@ -486,28 +458,6 @@ def _without(device: Spec, features: Collection[str]) -> Spec:
 
 def _same_taint(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     return all(a.get(key) == b.get(key) for key in ("key", "value", "effect"))
-
-
-# --- values -----------------------------------------------------------------------------------
-
-
-def _string(value: str) -> dict[str, Any]:
-    return {"string": value[:MAX_ATTRIBUTE_LENGTH]}
-
-
-def _optional_string(value: str | None) -> dict[str, Any] | None:
-    return _string(value) if value else None
-
-
-def _version(value: str | None) -> dict[str, Any] | None:
-    return {"version": value} if value else None
-
-
-def _int(value: str | None) -> dict[str, Any] | None:
-    try:
-        return {"int": int(value)} if value is not None else None
-    except ValueError:
-        return None
 
 
 def _known(numa_node: int | None) -> bool:

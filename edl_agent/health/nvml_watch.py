@@ -158,14 +158,8 @@ class NvmlWatcher:
                 event_set = pynvml.nvmlEventSetCreate()
             except pynvml.NVMLError as exc:
                 raise _MonitorFailure(NVML_EVENT_LOOP_FAILED, f"nvmlEventSetCreate: {exc}") from exc
-            stack.callback(self._free, event_set)
+            stack.callback(_free, event_set, self._log)
             self._loop(event_set, self._register(event_set))
-
-    def _free(self, event_set: Any) -> None:
-        try:
-            pynvml.nvmlEventSetFree(event_set)
-        except pynvml.NVMLError as exc:
-            self._log.warning("nvmlEventSetFree failed", error=str(exc))
 
     def _register(self, event_set: Any) -> dict[int, _Gpu]:
         """Watched GPUs by handle address."""
@@ -372,6 +366,13 @@ class NvmlWatcher:
             self.on_event(event)
         except Exception:
             self._log.exception("health event handler failed", reason=event.reason)
+
+
+def _free(event_set: Any, log: Any) -> None:
+    try:
+        pynvml.nvmlEventSetFree(event_set)
+    except pynvml.NVMLError as exc:
+        log.warning("nvmlEventSetFree failed", error=str(exc))
 
 
 def _mig_instances(handle: Any) -> dict[tuple[int, int], str]:

@@ -41,7 +41,8 @@ from edl_agent.dra.api import GROUP_VERSION, SLICES, KubeDraApi
 from edl_agent.dra.publisher import SlicePublisher
 from edl_agent.dra.slices import desired_slices, same_content, slice_name, with_generation
 from edl_agent.kube import ApiError, KubeApi
-from edl_agent.kube_rest import Credentials, RestKubeApi
+from edl_agent.kube_credentials import Credentials
+from edl_agent.kube_rest import RestKubeApi
 from edl_agent.sim.profile import load_profile
 from edl_agent.sim.tree import build_tree
 

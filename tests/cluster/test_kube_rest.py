@@ -26,7 +26,8 @@ from k8s_test_helpers import KwokCluster
 from test_node_labels import agent_view, pod_bound_token
 
 from edl_agent.kube import ApiError, Closable, KubeApi, api_client
-from edl_agent.kube_rest import Credentials, RestKubeApi, read_kubeconfigs, rest_client
+from edl_agent.kube_credentials import Credentials
+from edl_agent.kube_rest import RestKubeApi, read_kubeconfigs, rest_client
 
 Event = tuple[str, dict[str, Any]]
 CONDITION = "AcceleratorHealthy"
