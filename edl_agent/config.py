@@ -62,7 +62,9 @@ class PluginSettings:
         False, "Ask kubelet to call PreStartContainer (a no-op that only logs)."
     )
     health_poll_seconds: float = setting(
-        1.0, "How often every device's /dev nodes are checked; a missing one makes it Unhealthy."
+        1.0,
+        "How often every device's /dev nodes are checked where their directory cannot be "
+        "watched (elsewhere: on each change, and every 60 s); a missing one makes it Unhealthy.",
     )
     rediscover_seconds: float = setting(
         60.0, "How often the whole inventory is discovered again (also at once when /dev changes)."
