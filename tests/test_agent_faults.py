@@ -3,10 +3,11 @@ faults from the health stream naming the pods that hold the device."""
 
 from __future__ import annotations
 
+import functools
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -25,9 +26,12 @@ from edl_agent.settings_loader import ConfigError
 from edl_agent.sim.inject import inject_xid
 from edl_agent.sim.profile import load_profile
 from edl_agent.sim.tree import build_tree
+from tests import waiting
 from tests.podresources_standin import PodResourcesStandIn
 from tests.test_health_agent import gpu_ids, health_of, watch_gpus
 from tests.test_plugin import running_node
+
+wait_until = functools.partial(waiting.wait_until, timeout=20.0)
 
 FINISHED = "2026-05-01T12:00:00Z"
 
@@ -143,13 +147,6 @@ def unused_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def wait_until(what: str, done: Callable[[], bool], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not done():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
 @pytest.fixture
 def pod_resources(tmp_path: Path) -> Iterator[PodResourcesStandIn]:
     standin = PodResourcesStandIn(tmp_path / "pod-resources" / "kubelet.sock")
@@ -192,11 +189,13 @@ def test_an_xid_on_a_held_gpu_is_a_fault_naming_the_pod(
         assert agent.wait_ready(20)
         outbox = agent.outbox
         assert outbox is not None
-        wait_until("the NVML watcher", lambda: agent.nvml is not None and agent.nvml.ready)
+        wait_until(
+            what="the NVML watcher", done=lambda: agent.nvml is not None and agent.nvml.ready
+        )
         inject_xid(tree, 5, 79)  # held by no pod: logged, nothing to restart
         inject_xid(tree, 3, 79)
-        wait_until("GPU 3 unhealthy", lambda: gpus[3].id in agent.unhealthy())
-        wait_until("the device fault", lambda: len(outbox) > 0)
+        wait_until(what="GPU 3 unhealthy", done=lambda: gpus[3].id in agent.unhealthy())
+        wait_until(what="the device fault", done=lambda: len(outbox) > 0)
         assert gpus[5].id in agent.unhealthy()
     finally:
         agent.stop.set()
@@ -253,14 +252,16 @@ def test_a_device_fault_waits_for_kubelets_pod_resources_answer_instead_of_being
         assert agent.wait_ready(20)
         outbox = agent.outbox
         assert outbox is not None
-        wait_until("the NVML watcher", lambda: agent.nvml is not None and agent.nvml.ready)
+        wait_until(
+            what="the NVML watcher", done=lambda: agent.nvml is not None and agent.nvml.ready
+        )
         inject_xid(tree, 2, 79)
-        wait_until("GPU 2 unhealthy", lambda: gpus[2].id in agent.unhealthy())
+        wait_until(what="GPU 2 unhealthy", done=lambda: gpus[2].id in agent.unhealthy())
         calls = pod_resources.calls
-        wait_until("asked again", lambda: pod_resources.calls > calls)
+        wait_until(what="asked again", done=lambda: pod_resources.calls > calls)
         assert len(outbox) == 0
         pod_resources.fail_with(None)
-        wait_until("the device fault", lambda: len(outbox) > 0)
+        wait_until(what="the device fault", done=lambda: len(outbox) > 0)
         [fault] = outbox.pending()
         assert fault.pods == (PodRef("ml", "trainer-y"),)
         assert fault.device_ids == (gpus[2].id,)
@@ -285,12 +286,14 @@ def test_xids_reach_list_and_watch_while_kubelets_pod_resources_api_hangs(
         pod_resources.assign({("ml", "trainer-z"): {"main": {"nvidia.com/gpu": ids}}})
         watch = watch_gpus(node)
         nvml = node.agent.nvml
-        wait_until("the NVML watcher", lambda: nvml is not None and nvml.ready)
+        wait_until(what="the NVML watcher", done=lambda: nvml is not None and nvml.ready)
         pod_resources.hang()
         try:
             inject_xid(node.tree, 0, 79)
             watch.until(lambda u: health_of(u)[ids[0]] == "Unhealthy")
-            wait_until("the device-fault part asking kubelet", lambda: pod_resources.calls > 0)
+            wait_until(
+                what="the device-fault part asking kubelet", done=lambda: pod_resources.calls > 0
+            )
             started = time.monotonic()
             for index in range(1, 8):
                 inject_xid(node.tree, index, 79)

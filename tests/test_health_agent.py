@@ -15,6 +15,7 @@ from edl_agent._proto.deviceplugin.v1beta1 import api_pb2
 from edl_agent.sim import ascend_tree, inject
 from tests.kubelet_standin import Watch
 from tests.test_plugin import Node, running_node
+from tests.waiting import wait_until
 
 
 def health_of(update: api_pb2.ListAndWatchResponse) -> dict[str, str]:
@@ -25,16 +26,9 @@ def gpu_ids(node: Node) -> list[str]:
     return list(node.agent.state.snapshot().resources["nvidia.com/gpu"].device_ids)
 
 
-def wait_for(predicate: object, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while not (callable(predicate) and predicate()):
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
-
-
 def watch_gpus(node: Node) -> Watch:
     node.kubelet.wait_registered({"nvidia.com/gpu"})
-    wait_for(lambda: node.agent.ready()[0])
+    wait_until(lambda: node.agent.ready()[0])
     watch = node.kubelet.watch("nvidia.com/gpu")
     watch.next()
     return watch
@@ -57,7 +51,7 @@ def test_xid_13_is_counted_and_changes_nothing(tmp_path: Path) -> None:
         watch_gpus(node).cancel()
         inject.inject_xid(node.tree, 2, 13)
         inject.inject_xid(node.tree, 2, 13)
-        wait_for(lambda: node.agent.tracker.counts.xid_errors[(ids[2], 13)] == 2)
+        wait_until(lambda: node.agent.tracker.counts.xid_errors[(ids[2], 13)] == 2)
         assert node.agent.unhealthy() == {}
         assert {node.device_list("nvidia.com/gpu").devices[i].health for i in range(8)} == {
             "Healthy"
@@ -77,7 +71,7 @@ def rediscover(node: Node) -> None:
     """Run the periodic re-discovery now and wait until it ran."""
     done = node.agent.rediscoveries
     node.agent.rediscover_now()
-    wait_for(lambda: node.agent.rediscoveries > done)
+    wait_until(lambda: node.agent.rediscoveries > done)
 
 
 def test_a_reset_class_xid_waits_for_a_reset_of_that_gpu(tmp_path: Path) -> None:
@@ -161,7 +155,7 @@ def test_nvml_failure_marks_every_gpu_unhealthy_and_not_ready(tmp_path: Path) ->
         assert not any(node.agent.state.snapshot().is_unhealthy(u.device_id) for u in npus)
         inject.set_nvml_init_failure(node.tree, on=False)
         watch.until(lambda u: set(health_of(u).values()) == {"Healthy"}, timeout=10)
-        wait_for(lambda: node.agent.ready()[0])
+        wait_until(lambda: node.agent.ready()[0])
         watch.cancel()
 
 
@@ -194,7 +188,7 @@ def test_a_flood_of_one_xid_makes_one_transition_and_few_log_lines(tmp_path: Pat
             cpu, started = time.process_time(), time.monotonic()
             with inject.fault_file(node.tree).open("a") as faults:
                 faults.write("xid gpu=1 code=95 action=1\n" * flood)
-            wait_for(
+            wait_until(
                 lambda: node.agent.tracker.counts.xid_errors[(ids[1], 95)] == flood, timeout=300
             )
             cpu, wall = time.process_time() - cpu, time.monotonic() - started
@@ -219,7 +213,7 @@ def test_a_hung_vendor_tool_delays_neither_registration_nor_presence(tmp_path: P
         tool = node.tree / ascend_tree.TOOL.lstrip("/")
         healthy_tool = tool.read_text()
         tool.write_text("#!/bin/sh\nexec sleep 30\n")
-        wait_for(lambda: _hung_tools() != [])  # the next poll is stuck in it
+        wait_until(lambda: _hung_tools() != [])  # the next poll is stuck in it
         try:
             seen = len(node.kubelet.registrations)
             started = time.monotonic()
@@ -229,7 +223,7 @@ def test_a_hung_vendor_tool_delays_neither_registration_nor_presence(tmp_path: P
             inject.remove_device_node(node.tree, "nvidia", 1)
             ids = gpu_ids(node)
             started = time.monotonic()
-            wait_for(lambda: ids[1] in node.agent.unhealthy())
+            wait_until(lambda: ids[1] in node.agent.unhealthy())
             noticed = time.monotonic() - started
             print(
                 f"with a hung tool: re-registered in {registered:.3f} s, node gone {noticed:.3f} s"

@@ -15,8 +15,9 @@ from edl_agent.devices.model import Device, Vendor
 from edl_agent.health.remediation import Attempt, History, choose, command_for, held_ids, record
 from edl_agent.sim import inject
 from tests.podresources_standin import PodResourcesStandIn
-from tests.test_health_agent import gpu_ids, health_of, wait_for, watch_gpus
+from tests.test_health_agent import gpu_ids, health_of, watch_gpus
 from tests.test_plugin import Node, running_node
+from tests.waiting import wait_until
 
 GPUS = [Device(Vendor.NVIDIA, "gpu", i, f"GPU-{i}", "H100", 81559) for i in range(4)]
 MIG = Device(Vendor.NVIDIA, "mig", 0, "MIG-0", "H100 1g", 9000, parent="GPU-1")
@@ -146,7 +147,7 @@ def test_failed_resets_escalate_to_an_operators_release(tmp_path: Path) -> None:
         watch = watch_gpus(node)
         inject.inject_xid(node.tree, 0, 119)
         watch.until(lambda u: health_of(u)[ids[0]] == "Unhealthy")
-        wait_for(lambda: node.agent.remediations[("nvidia", "escalated")] == 1)
+        wait_until(lambda: node.agent.remediations[("nvidia", "escalated")] == 1)
         assert node.agent.remediations[("nvidia", "failed")] == 2
         assert node.agent.unhealthy()[ids[0]].clears_by.value == "release"
         time.sleep(0.6)  # no more attempts

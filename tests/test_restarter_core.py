@@ -28,6 +28,7 @@ from edl_agent.restarter.settings import ControllerSettings
 from edl_agent.restarter.spec import parse_policy
 from edl_agent.restarter.storm import StormGuard
 from edl_agent.runtime.clock import FakeClock as Clock
+from tests.waiting import wait_until
 
 NS = "train"
 JOB, TYPE, INDEX = "edl.test/job", "edl.test/replica-type", "edl.test/replica-index"
@@ -124,13 +125,6 @@ def one_failed_pod(
     cluster.add_policy(NS, "p", spec(**policy))
     pod = cluster.add_pod(NS, "a-0", labels=labels("a", 0), status=failed())
     return pod, start()
-
-
-def wait_until(check: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
 
 
 def names(cluster: InMemoryCluster) -> list[str]:

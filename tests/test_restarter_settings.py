@@ -9,7 +9,6 @@ import dataclasses
 import json
 import os
 import threading
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from edl_agent.restarter.settings import (
     load_restarter_settings,
 )
 from edl_agent.settings_loader import ConfigError, describe_settings
+from tests.waiting import wait_until
 
 AGENT_USER = "system:serviceaccount:edl-system:edl-agent"
 
@@ -451,13 +451,6 @@ def test_readyz_is_false_while_a_critical_part_is_down_and_parts_are_exported() 
     finally:
         restarter.stop.set()
         restarter.supervisor.join()
-
-
-def wait_until(check: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
 
 
 @pytest.fixture

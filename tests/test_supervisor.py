@@ -12,6 +12,7 @@ import structlog.testing
 
 from edl_agent.runtime.backoff import Backoff, backoff_delay
 from edl_agent.runtime.supervisor import Every, StopSignal, Supervisor, Watched
+from tests.waiting import wait_until
 
 
 class Flaky:
@@ -36,13 +37,6 @@ class Quitter:
 
     def run(self, stop: threading.Event, ready: Callable[[], None]) -> None:
         ready()  # and returns while the agent runs: that is dying too
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 5) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "not reached in time"
-        time.sleep(0.01)
 
 
 def test_a_part_that_dies_is_restarted_after_a_backoff_and_counted() -> None:

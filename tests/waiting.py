@@ -45,7 +45,7 @@ def wait_for(
 
 
 def wait_until(
-    done: Callable[[], object], *, what: str = "", timeout: float = 10.0, poll: float = 0.01
+    done: Callable[[], object], timeout: float = 10.0, *, what: str = "", poll: float = 0.01
 ) -> None:
     """Return once `done()` holds; WaitTimeout naming `what` after `timeout` seconds."""
     wait_for(

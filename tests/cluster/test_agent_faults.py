@@ -61,7 +61,7 @@ def test_a_pod_exit_is_reported_once(
         assert watcher.wait_listed(20)
         k8s.exit_pod(elsewhere.metadata.name, 1)  # another node's pod: not ours to report
         k8s.exit_pod(pod.metadata.name, 137)
-        wait_until("the exit in the outbox", lambda: len(outbox) > 0)
+        wait_until(what="the exit in the outbox", done=lambda: len(outbox) > 0)
     finally:
         watcher.stop()
     assert watcher.failures == 0
@@ -88,13 +88,13 @@ def test_a_pod_exit_is_reported_once(
     sender = Sender(outbox, settings)
     sender.start()
     try:
-        wait_until("the outbox to empty", lambda: len(outbox) == 0)
+        wait_until(what="the outbox to empty", done=lambda: len(outbox) == 0)
         # Seen again after it was acknowledged (a third agent start): a duplicate, not a new fault.
         third = PodExitWatcher(api, node, outbox.enqueue)
         third.start()
         assert third.wait_listed(20)
         third.stop()
-        wait_until("the duplicate's answer", lambda: sender.counts().duplicates == 1)
+        wait_until(what="the duplicate's answer", done=lambda: sender.counts().duplicates == 1)
         assert len(outbox) == 0
     finally:
         sender.stop()

@@ -3,11 +3,11 @@ outbox sender holding tokens as kubelet gives them: bound to the agent's pod on 
 
 from __future__ import annotations
 
+import functools
 import socket
 import threading
-import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from http import HTTPStatus
@@ -28,6 +28,9 @@ from edl_agent.faults.pod_faults import container_exit_faults
 from edl_agent.faults.sender import Sender, SenderSettings
 from edl_agent.restarter.auth import CachedReviewer, TokenReviewer, service_account_user
 from edl_agent.restarter.intake import FaultIntake, IntakeServer
+from tests import waiting
+
+wait_until = functools.partial(waiting.wait_until, timeout=20.0)
 
 AGENT_SA = "edl-agent"
 T0 = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
@@ -56,13 +59,6 @@ def fault(n: int, node: str) -> Fault:
 def kept(node: str, *numbers: int) -> Counter[str]:
     """The ids the restarter keeps `fault(n, node)` under: scoped by the reporting node."""
     return Counter(observer_scoped_id(node, f"fault-{n}") for n in numbers)
-
-
-def wait_until(what: str, done: Callable[[], bool], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not done():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 @dataclass
@@ -150,9 +146,9 @@ def test_faults_about_the_agents_node_are_accepted_once(
     try:
         for n in range(3):
             outbox.enqueue(fault(n, node_a))
-        wait_until("the outbox to empty", lambda: len(outbox) == 0)
+        wait_until(what="the outbox to empty", done=lambda: len(outbox) == 0)
         outbox.enqueue(fault(1, node_a))  # the same fault again, as after an agent restart
-        wait_until("the outbox to empty", lambda: len(outbox) == 0)
+        wait_until(what="the outbox to empty", done=lambda: len(outbox) == 0)
     finally:
         sender.stop()
         outbox.close()
@@ -211,7 +207,7 @@ def test_the_sender_drops_a_refused_fault(
     sender.start()
     try:
         outbox.enqueue(fault(1, node_a))
-        wait_until("the outbox to empty", lambda: len(outbox) == 0)
+        wait_until(what="the outbox to empty", done=lambda: len(outbox) == 0)
     finally:
         sender.stop()
         outbox.close()
@@ -248,7 +244,7 @@ def test_the_outbox_outlives_a_restarter_outage_and_an_agent_restart(
     sender.start()
     for n in range(5):
         outbox.enqueue(fault(n, node_a))
-    wait_until("failed calls", lambda: sender.counts().call_failures >= 3)
+    wait_until(what="failed calls", done=lambda: sender.counts().call_failures >= 3)
     sender.stop()  # the agent restarts while the restarter is still down
     outbox.close()
 
@@ -257,11 +253,11 @@ def test_the_outbox_outlives_a_restarter_outage_and_an_agent_restart(
     sender.start()
     outbox.enqueue(fault(5, node_a))
     outbox.enqueue(fault(2, node_a))  # observed again after the restart: still pending, one entry
-    wait_until("the new agent to fail too", lambda: sender.counts().call_failures >= 1)
+    wait_until(what="the new agent to fail too", done=lambda: sender.counts().call_failures >= 1)
     restarter = restarter_for(k8s, port)
     restarter.server.start()
     try:
-        wait_until("the outbox to empty", lambda: len(outbox) == 0)
+        wait_until(what="the outbox to empty", done=lambda: len(outbox) == 0)
     finally:
         sender.stop()
         outbox.close()
