@@ -274,7 +274,8 @@ def test_a_not_ready_node_gets_its_pod_force_deleted_and_replaced_elsewhere(
     k8s.make_node_not_ready(node)
     new = wait_pod(k8s, f"{name}-r1", timeout=15)
     print(f"\nnode NotReady→replacement: {time.monotonic() - started:.3f}s (grace 1 s)")
-    assert pod_or_none(k8s, name) is None  # force-deleted: gone at once
+    # Force-deleted right after its replacement is made: gone at once, not after a grace period.
+    wait_for("the old pod gone", lambda: pod_or_none(k8s, name), lambda pod: pod is None, 5)
     terms = new.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution
     assert [
         (f.key, f.operator, f.values) for t in terms.node_selector_terms for f in t.match_fields
