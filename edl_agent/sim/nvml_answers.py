@@ -16,6 +16,7 @@ import pynvml
 
 from edl_agent.devices.nvidia import sysfs_bus_id
 from edl_agent.devices.nvidia_topology import CPU_SET_WORDS, NODE_SET_WORDS, mask_bits
+from edl_agent.devices.topology import format_cpulist
 from edl_agent.health.nvml_reset import RECOVERY_ACTION_FIELD
 from edl_agent.health.nvml_watch import WANTED_EVENTS
 from edl_agent.sim.nvidia_tree import data_record as _record
@@ -253,7 +254,7 @@ def _gpu_records(gpu: dict[str, Any], scrub: Scrub, numa_of: Callable[[str], Any
     if links["states"]:
         fields["nvlinks"] = len(links["states"])
     if not failed(gpu["cpu_affinity"]) and gpu["cpu_affinity"]:
-        fields["cpus"] = _cpulist(gpu["cpu_affinity"])
+        fields["cpus"] = format_cpulist(gpu["cpu_affinity"])
     records = [_record("gpu", **fields)]
     for mig in gpu.get("migs", []):
         records.append(
@@ -285,17 +286,3 @@ def _mig_mode(answer: Any) -> str:
     if failed(answer):
         return "unsupported"
     return "enabled" if answer[0] == pynvml.NVML_DEVICE_MIG_ENABLE else "disabled"
-
-
-def _cpulist(cpus: list[int]) -> str:
-    """`0-31,64-95` from a sorted list of CPU numbers."""
-    ranges: list[str] = []
-    start = previous = cpus[0]
-    for cpu in [*cpus[1:], None]:
-        if cpu is not None and cpu == previous + 1:
-            previous = cpu
-            continue
-        ranges.append(str(start) if start == previous else f"{start}-{previous}")
-        if cpu is not None:
-            start = previous = cpu
-    return ",".join(ranges)
