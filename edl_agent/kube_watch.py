@@ -16,6 +16,7 @@ from collections.abc import Callable
 import structlog
 
 from edl_agent.kube import GONE, ApiError, Closable
+from edl_agent.runtime.ending import EndNotice
 
 # A server or proxy that ends watches at once must not make the loop spin.
 MIN_WATCH_SECONDS = 1.0
@@ -32,27 +33,20 @@ class WatchLoop:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._response: Closable | None = None
-        self._on_end: Callable[[], None] | None = None
-        self._ended = threading.Event()  # of the thread started last
+        self._ends = EndNotice()
         self._log = structlog.get_logger().bind(part=self.name, **log_context)
 
     def start(self) -> None:
         if self._thread is not None:
             msg = f"{type(self).__name__} already started"
             raise RuntimeError(msg)
-        self._ended = ended = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run_then_tell, args=(ended,), name=self.name, daemon=True
-        )
+        self._thread = self._ends.thread(self._run, self.name)
         self._thread.start()
 
     def notify_on_end(self, callback: Callable[[], None] | None) -> None:
         """Call `callback()` when the thread ends (a supervisor's `Watched` waits for it);
         None forgets it."""
-        self._on_end = callback
-        # The thread marks its end before it reads the callback: one of the two sees the other.
-        if callback is not None and self._thread is not None and self._ended.is_set():
-            callback()
+        self._ends.notify_on_end(callback)
 
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -89,15 +83,6 @@ class WatchLoop:
 
     def _retry_delay(self, failures_in_row: int) -> float:
         raise NotImplementedError
-
-    def _run_then_tell(self, ended: threading.Event) -> None:
-        try:
-            self._run()
-        finally:
-            ended.set()
-            on_end = self._on_end
-            if on_end is not None:
-                on_end()
 
     def _run(self) -> None:
         version: str | None = None
