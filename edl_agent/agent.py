@@ -184,7 +184,9 @@ class Agent:
         """Stop whatever was started and remove our sockets (after `run`, or instead of it when
         starting failed half-way)."""
         self.stop.set()
-        stops = (self.nvml, self.publisher, self.faults, self.dra, self.metrics)
+        if self.nvml is not None:
+            self.nvml.request_stop()  # it ends after its current wait: meanwhile stop the rest
+        stops = (self.publisher, self.faults, self.dra, self.metrics, self.nvml)
         for started in [part.stop for part in stops if part is not None]:
             started()
         self.state.close()
@@ -204,6 +206,7 @@ class Agent:
                 self.hub.report,
                 lambda code: classify_xid(code, health.xid_levels),
                 retry_seconds=health.nvml_retry_seconds,
+                wait_ms=round(health.nvml_wait_seconds * 1000),
             )
             self.nvml.start()
             add(Watched("nvml-watch", self.nvml), critical=False)

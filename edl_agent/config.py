@@ -152,6 +152,12 @@ class HealthSettings:
     nvml_retry_seconds: float = setting(
         5.0, "Wait before trying again when NVML cannot be initialised or its event loop breaks."
     )
+    nvml_wait_seconds: float = setting(
+        5.0,
+        "Longest single wait for an NVML event. NVML's wait cannot be interrupted, so the event "
+        "loop sees a stop only between waits: stopping the agent may take this long. Shorter "
+        "waits wake an idle agent more often; events are seen at once either way.",
+    )
     tool_timeout_seconds: float = setting(
         5.0,
         "How long one run of a vendor tool (`npu-smi`, `hy-smi`, `xpu-smi`) in a health poll may "
@@ -166,6 +172,7 @@ class HealthSettings:
             "quiet_seconds": 30 * 86400,
             "poll_seconds": 3600,
             "nvml_retry_seconds": 3600,
+            "nvml_wait_seconds": 60,
             "tool_timeout_seconds": 600,
         }
         for key, most in bounds.items():

@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 
+import grpc.aio
 import psutil
 import pytest
 import structlog
@@ -34,17 +35,32 @@ def _no_ambient_kubeconfig() -> Iterator[None]:
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _state_in_scratch(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+def _agent_defaults_for_tests(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Agents tests start without naming a state directory keep their quarantine and outbox in
-    the session's scratch folder, never in /var/lib/edl-agent (nor each other's, across runs)."""
-    key = "EDL_FAULTS__STATE_DIR"
-    saved = os.environ.get(key)
-    os.environ[key] = str(tmp_path_factory.mktemp("agent-state"))
+    the session's scratch folder, never in /var/lib/edl-agent (nor each other's, across runs);
+    and their NVML waits are short, so each agent a test stops ends within half a second (the
+    5 s default only makes the agent's own shutdown slower)."""
+    values = {
+        "EDL_FAULTS__STATE_DIR": str(tmp_path_factory.mktemp("agent-state")),
+        "EDL_HEALTH__NVML_WAIT_SECONDS": "0.5",
+    }
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
     yield
-    if saved is None:
-        os.environ.pop(key, None)
-    else:
-        os.environ[key] = saved
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _grpc_asyncio_poller() -> Iterator[None]:
+    """grpc's asyncio server polls through one thread per process, started by the first server
+    and kept for the process's life. Started here, before any test, it is nobody's leftover."""
+    grpc.aio.init_grpc_aio()
+    yield
+    grpc.aio.shutdown_grpc_aio()
 
 
 @pytest.fixture(autouse=True)

@@ -285,7 +285,7 @@ def test_a_new_event_set_starts_at_the_end_of_the_fault_file(node: Path) -> None
 
 
 def test_stop_joins_promptly(node: Path) -> None:
-    watcher = NvmlWatcher(HostRoot.at(node), lambda _: None, classify)  # default 500 ms waits
+    watcher = NvmlWatcher(HostRoot.at(node), lambda _: None, classify, wait_ms=500)
     watcher.start()
     wait_until(lambda: watcher.ready, timeout=TIMEOUT)
 

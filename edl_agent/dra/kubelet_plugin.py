@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Protocol
 
-import grpc
 import structlog
 
 from edl_agent._proto.dra.v1 import api_pb2 as dra_pb2
@@ -28,7 +27,8 @@ from edl_agent._proto.pluginregistration.v1 import api_pb2_grpc as registration_
 from edl_agent.dra.checkpoint import PreparedDevice
 from edl_agent.dra.prepare import ClaimRef, Preparer, PrepareResult
 from edl_agent.errors import shorten
-from edl_agent.unix_server import UnixSocketServer
+from edl_agent.threaded_servicer import CallContext
+from edl_agent.unix_server import Service, UnixSocketServer
 
 PLUGIN_TYPE = "DRAPlugin"
 # "<proto package tail>.<service>" of the DRA services kubelet may choose from.
@@ -99,19 +99,18 @@ class DraPluginServer:
         """Bind and serve; returns once the socket accepts connections."""
         self.registered.clear()
         self._health.reopen()
-        self._socket.start(self._add_services)
+        self._socket.start(self._services())
         self._log.info("serving", socket=str(self.path))
 
-    def _add_services(self, server: grpc.Server) -> None:
-        registration_grpc.add_RegistrationServicer_to_server(  # type: ignore[no-untyped-call]
-            _Registration(self.driver, self._registration_status), server
-        )
-        dra_grpc.add_DRAPluginServicer_to_server(  # type: ignore[no-untyped-call]
-            _DraPlugin(self._preparer), server
-        )
-        health_grpc.add_DRAResourceHealthServicer_to_server(  # type: ignore[no-untyped-call]
-            self._health, server
-        )
+    def _services(self) -> list[Service]:
+        return [
+            (
+                registration_grpc.add_RegistrationServicer_to_server,
+                _Registration(self.driver, self._registration_status),
+            ),
+            (dra_grpc.add_DRAPluginServicer_to_server, _DraPlugin(self._preparer)),
+            (health_grpc.add_DRAResourceHealthServicer_to_server, self._health),
+        ]
 
     def serving(self) -> bool:
         """False when our socket file is gone or replaced (kubelet then forgets the plugin)."""
@@ -140,7 +139,7 @@ class _Registration(registration_grpc.RegistrationServicer):
         self._on_status = on_status
 
     def GetInfo(
-        self, request: registration_pb2.InfoRequest, context: grpc.ServicerContext
+        self, request: registration_pb2.InfoRequest, context: CallContext
     ) -> registration_pb2.PluginInfo:
         return registration_pb2.PluginInfo(
             type=PLUGIN_TYPE,
@@ -150,7 +149,7 @@ class _Registration(registration_grpc.RegistrationServicer):
         )
 
     def NotifyRegistrationStatus(
-        self, request: registration_pb2.RegistrationStatus, context: grpc.ServicerContext
+        self, request: registration_pb2.RegistrationStatus, context: CallContext
     ) -> registration_pb2.RegistrationStatusResponse:
         self._on_status(request.plugin_registered, request.error)
         return registration_pb2.RegistrationStatusResponse()
@@ -163,7 +162,7 @@ class _DraPlugin(dra_grpc.DRAPluginServicer):
         self._preparer = preparer
 
     def NodePrepareResources(
-        self, request: dra_pb2.NodePrepareResourcesRequest, context: grpc.ServicerContext
+        self, request: dra_pb2.NodePrepareResourcesRequest, context: CallContext
     ) -> dra_pb2.NodePrepareResourcesResponse:
         results = self._preparer.prepare(_claims(request.claims))
         return dra_pb2.NodePrepareResourcesResponse(
@@ -171,7 +170,7 @@ class _DraPlugin(dra_grpc.DRAPluginServicer):
         )
 
     def NodeUnprepareResources(
-        self, request: dra_pb2.NodeUnprepareResourcesRequest, context: grpc.ServicerContext
+        self, request: dra_pb2.NodeUnprepareResourcesRequest, context: CallContext
     ) -> dra_pb2.NodeUnprepareResourcesResponse:
         results = self._preparer.unprepare(_claims(request.claims))
         return dra_pb2.NodeUnprepareResourcesResponse(
@@ -216,7 +215,7 @@ class _HealthStreams(health_grpc.DRAResourceHealthServicer):
         self._source.wake()
 
     def NodeWatchResources(
-        self, request: health_pb2.NodeWatchResourcesRequest, context: grpc.ServicerContext
+        self, request: health_pb2.NodeWatchResourcesRequest, context: CallContext
     ) -> Iterator[health_pb2.NodeWatchResourcesResponse]:
         cancel = threading.Event()
 

@@ -80,7 +80,7 @@ class NvmlWatcher:
         classify_xid: Callable[[int], Level],
         *,
         retry_seconds: float = 5.0,
-        wait_ms: int = 500,
+        wait_ms: int = 5000,
     ) -> None:
         self.root = root
         self.on_event = on_event
@@ -122,9 +122,15 @@ class NvmlWatcher:
         self._thread = None
         self.start()
 
-    def stop(self, timeout: float = 2.0) -> None:
-        """Ask the loop to end and join it; it notices within `wait_ms`."""
+    def request_stop(self) -> None:
+        """Ask the loop to end; it notices within `wait_ms`."""
         self._stop.set()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Ask the loop to end and join it (by default, for up to `wait_ms` and 2 s more)."""
+        self._stop.set()
+        if timeout is None:
+            timeout = self.wait_ms / 1000 + 2.0
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():

@@ -68,11 +68,7 @@ class PluginServer:
 
     def start(self) -> None:
         """Bind and serve; returns once the socket accepts connections."""
-        self._socket.start(
-            lambda server: api_pb2_grpc.add_DevicePluginServicer_to_server(  # type: ignore[no-untyped-call]
-                self.service, server
-            )
-        )
+        self._socket.start([(api_pb2_grpc.add_DevicePluginServicer_to_server, self.service)])
 
     def serving(self) -> bool:
         """False when our socket file is gone or replaced (kubelet removes them on restart)."""

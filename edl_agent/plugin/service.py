@@ -16,6 +16,7 @@ from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.model import Device, ResourceUnit
 from edl_agent.health.state import DeviceState, Snapshot
 from edl_agent.plugin import allocation, preferred
+from edl_agent.threaded_servicer import CallContext
 
 # ListAndWatch streams are woken when their call ends (and when their server stops); this is
 # only the backstop for a wake-up that was missed.
@@ -44,12 +45,12 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
         self._state.wake()
 
     def GetDevicePluginOptions(
-        self, request: api_pb2.Empty, context: grpc.ServicerContext
+        self, request: api_pb2.Empty, context: CallContext
     ) -> api_pb2.DevicePluginOptions:
         return plugin_options(self._settings)
 
     def ListAndWatch(
-        self, request: api_pb2.Empty, context: grpc.ServicerContext
+        self, request: api_pb2.Empty, context: CallContext
     ) -> Iterator[api_pb2.ListAndWatchResponse]:
         context.add_callback(self._state.wake)  # a call that ends (kubelet gone) ends the loop
         snapshot = self._state.snapshot()
@@ -74,7 +75,7 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
         self._log.info("list and watch ended")
 
     def GetPreferredAllocation(
-        self, request: api_pb2.PreferredAllocationRequest, context: grpc.ServicerContext
+        self, request: api_pb2.PreferredAllocationRequest, context: CallContext
     ) -> api_pb2.PreferredAllocationResponse:
         snapshot = self._state.snapshot()
         units = snapshot.units.get(self.resource, {})
@@ -102,7 +103,7 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
         return api_pb2.PreferredAllocationResponse(container_responses=responses)
 
     def Allocate(
-        self, request: api_pb2.AllocateRequest, context: grpc.ServicerContext
+        self, request: api_pb2.AllocateRequest, context: CallContext
     ) -> api_pb2.AllocateResponse:
         snapshot = self._state.snapshot()
         units = snapshot.units.get(self.resource, {})
@@ -142,7 +143,7 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
         return api_pb2.AllocateResponse(container_responses=responses)
 
     def PreStartContainer(
-        self, request: api_pb2.PreStartContainerRequest, context: grpc.ServicerContext
+        self, request: api_pb2.PreStartContainerRequest, context: CallContext
     ) -> api_pb2.PreStartContainerResponse:
         self._log.debug("pre-start container", ids=list(request.devices_ids))
         return api_pb2.PreStartContainerResponse()
