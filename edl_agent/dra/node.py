@@ -335,7 +335,10 @@ class DraNode:
             self._publish_due = float("inf")
             self._published_version = snapshot.version
             if first and self._api is not None:
-                remove_stale_slices(self._api, self.node)
+                try:
+                    remove_stale_slices(self._api, self.node)
+                except Exception as exc:  # only a clean-up: the next start tries again
+                    self._log.warning("removing stale ResourceSlices failed", error=str(exc))
             return
         reasons = self._reasons()
         unhealthy = {d: reasons.get(d, "unhealthy") for d in snapshot.unhealthy_all}

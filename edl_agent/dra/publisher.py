@@ -292,16 +292,14 @@ def _generation(item: Mapping[str, Any]) -> int:
 
 def remove_stale_slices(api: DraApi, node: str) -> None:
     """No vendor is served through DRA: remove the slices a former configuration published for
-    `node` (a cluster without the DRA API, or an agent without its RBAC, has none of ours)."""
+    `node` (a cluster without the DRA API, or an agent without its RBAC, has none of ours).
+    Raises what another try may get past (a connection failure, a 5xx)."""
     log = structlog.get_logger().bind(part="dra", node=node)
     try:
         result = SlicePublisher(api, node).remove_all()
     except ApiError as exc:
-        if exc.status not in {403, 404}:
-            log.warning("removing stale ResourceSlices failed", error=str(exc))
-        return
-    except Exception as exc:  # a connection failure: it is only a clean-up
-        log.warning("removing stale ResourceSlices failed", error=str(exc))
-        return
+        if exc.status in {403, 404}:
+            return
+        raise
     if result.deleted:
         log.info("stale ResourceSlices removed", deleted=result.deleted)

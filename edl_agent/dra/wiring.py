@@ -12,7 +12,7 @@ import structlog
 
 from edl_agent.config import Settings
 from edl_agent.devices.hostroot import HostRoot
-from edl_agent.dra.api import KubeDraApi
+from edl_agent.dra.api import DraApi, KubeDraApi
 from edl_agent.dra.node import DraNode, dra_vendors
 from edl_agent.health.state import DeviceState
 from edl_agent.kubelet.podresources import PodResourcesClient
@@ -20,6 +20,24 @@ from edl_agent.runtime.supervisor import Supervisor
 
 if TYPE_CHECKING:
     from edl_agent.kube import NodeApi
+
+
+class StaleSliceCleanup:
+    """A part that removes this node's ResourceSlices once, tried again (the supervisor's
+    backoff) while the API server cannot be reached, then rests until the agent stops."""
+
+    name = "dra-cleanup"
+
+    def __init__(self, api: DraApi, node: str) -> None:
+        self._api = api
+        self._node = node
+
+    def run(self, stop: threading.Event, ready: Callable[[], None]) -> None:
+        from edl_agent.dra.publisher import remove_stale_slices
+
+        remove_stale_slices(self._api, self._node)
+        ready()
+        stop.wait()
 
 
 def start_dra(
@@ -36,12 +54,8 @@ def start_dra(
     Raises OSError when the plugin socket or the CDI directory cannot be made."""
     if not dra_vendors(settings) and not settings.plugin.cdi:
         if api is not None:  # in the background: one list call when there are none
-            from edl_agent.dra.publisher import remove_stale_slices
-
-            args = (KubeDraApi(api), state.snapshot().inventory.node)
-            cleanup = threading.Thread(target=remove_stale_slices, args=args, name="dra-cleanup")
-            cleanup.daemon = True
-            cleanup.start()
+            node = state.snapshot().inventory.node
+            supervisor.add(StaleSliceCleanup(KubeDraApi(api), node), critical=False)
         return None
     dra = DraNode(
         settings,

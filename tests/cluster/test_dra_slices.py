@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -40,11 +41,14 @@ from edl_agent.devices.model import Inventory, Vendor
 from edl_agent.dra.api import GROUP_VERSION, SLICES, KubeDraApi
 from edl_agent.dra.publisher import SlicePublisher
 from edl_agent.dra.slices import desired_slices, same_content, slice_name, with_generation
+from edl_agent.dra.wiring import StaleSliceCleanup
 from edl_agent.kube import ApiError, KubeApi
 from edl_agent.kube_credentials import Credentials
 from edl_agent.kube_rest import RestKubeApi
+from edl_agent.runtime.supervisor import Supervisor
 from edl_agent.sim.profile import load_profile
 from edl_agent.sim.tree import build_tree
+from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 DRA = REPO / "deploy" / "dra"
@@ -310,6 +314,24 @@ def test_a_vendor_no_longer_served_loses_its_slices(
 
     assert publisher.remove_all().deleted == 1
     assert agent.stored() == {}
+
+
+def test_the_clean_up_part_removes_the_slices_a_former_configuration_left(
+    agent: Agent, simulated: dict[str, Simulated]
+) -> None:
+    SlicePublisher(agent.kube, agent.node).sync(simulated["mixed-gpu-npu"].slices(agent.node))
+    assert agent.stored()
+    stop = threading.Event()
+    supervisor = Supervisor(stop)
+    supervisor.add(StaleSliceCleanup(agent.kube, agent.node))
+    supervisor.start()
+    try:
+        wait_until(lambda: supervisor.ready()[0], 30, what="the clean-up done")
+        assert agent.stored() == {}
+        assert supervisor.statuses()[0].restarts == 0
+    finally:
+        stop.set()
+        supervisor.join()
 
 
 # --- the admission policy ---------------------------------------------------------------------
