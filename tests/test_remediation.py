@@ -4,7 +4,6 @@ GPUs through the fake `nvidia-smi` with kubelet's pod-resources answered by a st
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -97,6 +96,13 @@ def remediating_node(
         pods.stop()
 
 
+def rounds_after(node: Node, count: int) -> None:
+    """Wait until the remediation part has completed `count` more rounds."""
+    remediation = node.agent.remediation
+    target = remediation.rounds + count
+    wait_until(lambda: remediation.rounds >= target, 15, what=f"{count} remediation rounds")
+
+
 def resets_in(tree: Path) -> list[str]:
     lines = inject.fault_file(tree).read_text().splitlines()
     return [line for line in lines if line.startswith("reset")]
@@ -115,7 +121,7 @@ def test_an_idle_gpu_is_reset_and_returns_to_service_a_held_one_never(tmp_path: 
             timeout=15,
         )
         assert resets_in(node.tree) == ["reset gpu=2"]
-        time.sleep(1.0)  # several more rounds: the held GPU is left alone
+        rounds_after(node, 3)  # the held GPU is left alone
         assert resets_in(node.tree) == ["reset gpu=2"]
         assert node.agent.remediations[("nvidia", "reset")] == 1
         assert node.agent.unhealthy()[ids[3]].clears_by.value == "reset"
@@ -134,7 +140,7 @@ def test_no_reset_while_kubelet_cannot_say_who_holds_the_gpu(tmp_path: Path) -> 
         watch = watch_gpus(node)
         inject.inject_xid(node.tree, 1, 119)
         watch.until(lambda u: health_of(u)[ids[1]] == "Unhealthy")
-        time.sleep(1.0)
+        rounds_after(node, 3)
         assert resets_in(node.tree) == []
         watch.cancel()
 
@@ -150,6 +156,6 @@ def test_failed_resets_escalate_to_an_operators_release(tmp_path: Path) -> None:
         wait_until(lambda: node.agent.remediations[("nvidia", "escalated")] == 1)
         assert node.agent.remediations[("nvidia", "failed")] == 2
         assert node.agent.unhealthy()[ids[0]].clears_by.value == "release"
-        time.sleep(0.6)  # no more attempts
+        rounds_after(node, 3)  # no more attempts
         assert node.agent.remediations[("nvidia", "failed")] == 2
         watch.cancel()

@@ -59,6 +59,7 @@ class Remediation:
         )
         self.history = History()
         self.counts: Counter[tuple[str, str]] = Counter()  # (vendor, result)
+        self.rounds = 0  # rounds completed: what a test waits on to see a round decide nothing
         self._log = structlog.get_logger().bind(part="remediation")
 
     def part(self, wake: threading.Event) -> Every:
@@ -73,6 +74,7 @@ class Remediation:
 
     def step(self) -> None:
         self.remediate(time.monotonic())
+        self.rounds += 1
 
     def remediate(self, now: float) -> Outcome | None:
         """Reset one idle device whose quarantine a reset clears, if any may be reset now."""
