@@ -13,6 +13,7 @@ from edl_agent.faults.in_place import restarts_in_place
 from edl_agent.faults.pod_faults import (
     container_exit_faults,
     eviction_fault,
+    exit_counting_owner,
     force_deletion_fault,
     pod_created,
     pod_node,
@@ -135,7 +136,8 @@ def test_a_slim_pod_gives_every_answer_the_full_pod_gives(phase: str) -> None:
         "edl.io/restart-count": "2",
         "edl.io/replaces-uid": "u-1",
     }
-    assert slim["metadata"]["ownerReferences"] == [{"controller": True}]
+    assert slim["metadata"]["ownerReferences"] == [{"controller": True, "kind": "Job", "name": "j"}]
+    assert exit_counting_owner(slim) == exit_counting_owner(full) == "Job train/j"
     assert [c["name"] for c in slim["spec"]["ephemeralContainers"]] == ["debugger"]
 
 

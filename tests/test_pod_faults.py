@@ -24,12 +24,13 @@ from edl_agent.faults.ids import (
 from edl_agent.faults.model import Fault, FaultKind, PodRef
 from edl_agent.faults.pod_exits import container_exits
 from edl_agent.faults.pod_faults import (
+    DISRUPTION_REASON,
     container_exit_faults,
     eviction_fault,
     force_deletion_fault,
     per_pod_faults,
 )
-from edl_agent.restarter.watchers import ClusterWatcher
+from edl_agent.restarter.watchers import ClusterWatcher, deleted_by_us
 
 NOW = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
 FINISHED = "2026-05-01T11:59:58Z"
@@ -181,6 +182,12 @@ def test_eviction_and_force_deletion() -> None:
     assert disrupted is not None
     assert disrupted.reason == "PreemptionByScheduler"
     assert disrupted.observed_at == datetime(2026, 5, 1, 11, 58, tzinfo=UTC)
+    # The restarter's own condition, set as it deletes a pod for a fault, is no new fault; the
+    # watcher knows the deletion for its own whichever restarter made it.
+    ours = pod(conditions=[condition | {"reason": DISRUPTION_REASON}])
+    assert eviction_fault(ours, now=NOW, source="restarter") is None
+    assert deleted_by_us(ours)
+    assert not deleted_by_us(pod(conditions=[condition]))
 
 
 def test_a_node_fault_becomes_one_fault_per_pod_never_older_than_the_pod() -> None:

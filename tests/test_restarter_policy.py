@@ -539,6 +539,29 @@ def test_consecutive_failures_of_a_slot_back_off_and_recover() -> None:
     assert [last.consecutive for last in record.last_restarts] == [1]
 
 
+def test_a_job_owned_pods_exit_is_the_jobs_to_decide_but_its_node_fault_is_ours() -> None:
+    p = policy()
+    owner = "Job training/resnet"
+
+    exited = decide(
+        fault=exit_fault(129), pod=pod(), policy=p, record=JobRecord(), now=at(0), exit_owner=owner
+    )
+    unmatched = decide(
+        fault=exit_fault(3), pod=pod(), policy=p, record=JobRecord(), now=at(0), exit_owner=owner
+    )
+    node = decide(
+        fault=event_fault(NOT_READY), pod=pod(), policy=p, record=JobRecord(), now=at(0),
+        exit_owner=owner,
+    )  # fmt: skip
+
+    assert exited.action is Action.OWNER_DECIDES
+    assert owner in exited.reason
+    assert "podFailurePolicy" in exited.reason
+    assert exited.record == JobRecord()  # no restart charged
+    assert unmatched.action is Action.IGNORE  # a rule that matches nothing decides nothing
+    assert node.action is Action.RESTART  # the Job does not see a dead node: the pod is deleted
+
+
 def test_a_rack_failure_restarts_every_slot_at_once() -> None:
     p = policy()
     steps = [(event_fault(NOT_READY, 0, id=f"n{i}"), pod(i), 1) for i in range(20)]

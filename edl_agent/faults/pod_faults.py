@@ -28,6 +28,10 @@ MAX_DETAIL = 512
 # Not `ephemeralContainerStatuses`: see the module's docstring.
 STATUS_LISTS = ("initContainerStatuses", "containerStatuses")
 
+# The reason of the DisruptionTarget condition the restarter sets on a pod it deletes for a fault
+# (as Kubernetes' own controllers name theirs: DeletionByTaintManager, DeletionByPodGC, ...).
+DISRUPTION_REASON = "DeletionByEdlRestarter"
+
 
 def pod_ref(pod: Mapping[str, Any]) -> PodRef:
     meta = pod.get("metadata") or {}
@@ -43,8 +47,27 @@ def pod_node(pod: Mapping[str, Any]) -> str:
 
 def controller_owned(pod: Mapping[str, Any]) -> bool:
     """A controller (a Job, a ReplicaSet, a StatefulSet) owns the pod and makes its successor."""
+    return pod_controller(pod) is not None
+
+
+def pod_controller(pod: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(kind, name) of the controller that owns the pod; None for a bare pod."""
     refs = (pod.get("metadata") or {}).get("ownerReferences") or []
-    return any(ref.get("controller") for ref in refs)
+    ref = next((r for r in refs if r.get("controller")), None)
+    if ref is None:
+        return None
+    return str(ref.get("kind") or ""), str(ref.get("name") or "")
+
+
+def exit_counting_owner(pod: Mapping[str, Any]) -> str | None:
+    """The controller that decides about the pod's exits itself ("Job <namespace>/<name>"):
+    the Job controller counts every failed pod against its backoffLimit and podFailurePolicy
+    and makes the next pod; None when no such controller owns the pod."""
+    owner = pod_controller(pod)
+    if owner is None or owner[0] != "Job":
+        return None
+    namespace = (pod.get("metadata") or {}).get("namespace") or ""
+    return f"Job {namespace}/{owner[1]}"
 
 
 def pod_created(pod: Mapping[str, Any]) -> datetime | None:
@@ -109,8 +132,10 @@ def eviction_fault(pod: Mapping[str, Any], *, now: datetime, source: str) -> Fau
         ),
         {},
     )
-    if status.get("reason") != "Evicted" and not disruption:
-        return None
+    if status.get("reason") != "Evicted" and (
+        not disruption or disruption.get("reason") == DISRUPTION_REASON
+    ):
+        return None  # nothing, or the restarter's own deletion for a fault it has handled
     ref = pod_ref(pod)
     return Fault(
         id=eviction_id(ref.uid),

@@ -16,30 +16,31 @@ controller owns (a Job, a StatefulSet) is only deleted: its controller makes the
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from datetime import UTC, datetime
 from typing import Any
 
 import structlog
 from kubernetes import client
 
 from edl_agent.faults.model import FaultKind
-from edl_agent.faults.pod_faults import controller_owned
+from edl_agent.faults.pod_faults import DISRUPTION_REASON, controller_owned
 from edl_agent.kube import CONFLICT, NOT_FOUND, ApiError
 from edl_agent.kube import call_json as _call
+from edl_agent.kube_time import format_time
 from edl_agent.restarter.port import Conflict, Replacement
 from edl_agent.restarter.replacement import (
     BASE_NAME_ANNOTATION,
-    DELETED_BY_ANNOTATION,
     NODE_FAULTS,
     REPLACES_ANNOTATION,
     REPLACES_UID_ANNOTATION,
     RESTART_COUNT_ANNOTATION,
     RESTART_COUNT_ENV,
-    RESTARTER,
     replacement_pod,
 )
 from edl_agent.restarter.settings import DEFAULT_DROP_LABELS
 
 UNPROCESSABLE = 422
+MESSAGE_LIMIT = 1024
 # The names of a replacement, as the tests and deployments know them from here.
 __all__ = [
     "BASE_NAME_ANNOTATION",
@@ -68,7 +69,7 @@ class Actuator:
     ) -> None:
         """`before_delete(uid)` runs before each deletion (the watcher's `ignore_uid`);
         `drop_labels`: the labels replacements do not get (None: `DEFAULT_DROP_LABELS`);
-        `on_write(what)` counts each write (`status`, `create`, `mark`, `delete`)."""
+        `on_write(what)` counts each write (`status`, `create`, `disruption`, `delete`)."""
         self._on_write = on_write
         self._core: Any = client.CoreV1Api(api)
         self._objects: Any = client.CustomObjectsApi(api)
@@ -127,7 +128,13 @@ class Actuator:
             raise
 
     def replace(
-        self, pod: Mapping[str, Any], *, fault_kind: FaultKind, failed_node: str, force: bool
+        self,
+        pod: Mapping[str, Any],
+        *,
+        fault_kind: FaultKind,
+        failed_node: str,
+        force: bool,
+        why: str = "",
     ) -> Replacement:
         """Create the replacement of `pod` (unless a controller owns it), then delete `pod`.
 
@@ -136,7 +143,9 @@ class Actuator:
         meta = pod["metadata"]
         namespace, name = meta["namespace"], meta["name"]
         if controller_owned(pod):
-            self.delete(pod, force=force)
+            # An exit is the pod's own failure, not a disruption: the pod ended already.
+            exited = fault_kind is FaultKind.CONTAINER_EXIT
+            self.delete(pod, force=force, disruption=None if exited else why or str(fault_kind))
             log.info("deleted a controller-owned pod", pod=f"{namespace}/{name}", force=force)
             return Replacement(name, None, force)
         avoid = failed_node if fault_kind in NODE_FAULTS and failed_node else None
@@ -151,32 +160,29 @@ class Actuator:
             log.info("replacement exists already", pod=f"{namespace}/{new_name}")
         # No deletion mark: the replacement names this pod's uid, which tells any restarter
         # that its end is ours (one write fewer per restart).
-        self.delete(pod, force=force, mark=False)
+        self.delete(pod, force=force)
         log.info(
             "pod replaced", old=f"{namespace}/{name}", new=f"{namespace}/{new_name}", force=force
         )
         return Replacement(name, new_name, force)
 
-    def delete(self, pod: Mapping[str, Any], *, force: bool, mark: bool = True) -> None:
-        """Delete `pod` if it is still the pod of that uid; with `mark`, first annotate it as
-        deleted by us (a controller-owned pod has no replacement to say so)."""
+    def delete(self, pod: Mapping[str, Any], *, force: bool, disruption: str | None = None) -> None:
+        """Delete `pod` if it is still the pod of that uid. With `disruption` (why), first set
+        its DisruptionTarget condition, as Kubernetes' own controllers do before they delete a
+        pod: its owner (a Job's podFailurePolicy) then knows the pod failed for a disruption,
+        not on its own, and the restarter's watchers know the deletion for ours."""
         meta = pod["metadata"]
         namespace, name, uid = meta["namespace"], meta["name"], meta.get("uid", "")
         self._before_delete(uid)
-        # The uid makes the patch conditional: a pod that reuses the name (made after this one
-        # went) is never tagged, so its own faults are not hidden as ours.
-        patch: dict[str, Any] = {"metadata": {"annotations": {DELETED_BY_ANNOTATION: RESTARTER}}}
-        if uid:
-            patch["metadata"]["uid"] = uid
         try:
-            if mark:
-                self._on_write("mark")
+            if disruption is not None:
+                self._on_write("disruption")
                 _call(
-                    self._core.patch_namespaced_pod,
+                    self._core.patch_namespaced_pod_status,
                     name,
                     namespace,
-                    patch,
-                    _content_type="application/merge-patch+json",
+                    disruption_patch(uid, disruption, now=datetime.now(UTC)),
+                    _content_type="application/strategic-merge-patch+json",
                 )
             body = client.V1DeleteOptions(
                 grace_period_seconds=0 if force else None,
@@ -186,7 +192,23 @@ class Actuator:
             _call(self._core.delete_namespaced_pod, name, namespace, body=body)
         except ApiError as exc:
             # Gone, or another pod by that name: the delete's uid precondition answers 409, the
-            # patch's uid (immutable) 422.
+            # status patch's uid (immutable) 422.
             if exc.status not in (NOT_FOUND, CONFLICT, UNPROCESSABLE):
                 raise
             log.info("pod already gone or replaced; left alone", pod=f"{namespace}/{name}", uid=uid)
+
+
+def disruption_patch(uid: str, why: str, *, now: datetime) -> dict[str, Any]:
+    """A strategic merge patch of pods/status setting DisruptionTarget=True (conditions merge
+    by type). The uid makes it conditional: a pod that reuses the name is never touched."""
+    condition = {
+        "type": "DisruptionTarget",
+        "status": "True",
+        "reason": DISRUPTION_REASON,
+        "message": why[:MESSAGE_LIMIT],
+        "lastTransitionTime": format_time(now),
+    }
+    patch: dict[str, Any] = {"status": {"conditions": [condition]}}
+    if uid:
+        patch["metadata"] = {"uid": uid}
+    return patch

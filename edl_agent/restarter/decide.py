@@ -15,7 +15,7 @@ import enum
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from edl_agent.faults.model import Fault
+from edl_agent.faults.model import Fault, FaultKind
 from edl_agent.restarter.policy import (
     EVENT_OF_KIND,
     PodIdentity,
@@ -34,6 +34,7 @@ class Action(enum.StrEnum):
     IGNORE = "Ignore"  # no rule matches
     STALE = "Stale"  # an earlier restart already replaced the pod
     IN_PLACE = "InPlace"  # a rule says restart, and kubelet restarts the container in place
+    OWNER_DECIDES = "OwnerDecides"  # a rule says restart, but the pod's Job counts its exits
 
 
 @dataclass(frozen=True)
@@ -60,12 +61,15 @@ def decide(  # noqa: PLR0911 - one return per step of the ladder
     now: datetime,
     in_place: bool = False,
     created: datetime | None = None,
+    exit_owner: str | None = None,
 ) -> Decision:
     """What to do about `fault` for `pod` (one of the fault's pods, covered by `policy`).
     `in_place`: kubelet restarts the exited container itself (`faults.in_place`). `created`:
     the pod's creationTimestamp; a pod made in or after the second of its slot's last restart
     is that restart's replacement, and nothing about it is stale by that restart (exit times
-    have whole seconds, so its fast crash would otherwise look older than the restart)."""
+    have whole seconds, so its fast crash would otherwise look older than the restart).
+    `exit_owner`: the controller that counts the pod's exits itself (a Job): an exit is its to
+    decide, never a restart of ours."""
     what = describe(fault)
 
     def decision(
@@ -103,6 +107,14 @@ def decide(  # noqa: PLR0911 - one return per step of the ladder
             Action.IN_PLACE,
             f"{matched}, but kubelet restarts the container in place (the pod's or the "
             "container's restart policy); the pod is not replaced for it",
+            rule=index,
+            scope=scope,
+        )
+    if exit_owner is not None and fault.kind is FaultKind.CONTAINER_EXIT:
+        return decision(
+            Action.OWNER_DECIDES,
+            f"{matched}, but {exit_owner} owns the pod and has counted this exit itself (its "
+            "backoffLimit and podFailurePolicy decide); the pod is neither restarted nor deleted",
             rule=index,
             scope=scope,
         )

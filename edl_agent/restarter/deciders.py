@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import structlog
 
 from edl_agent.faults.model import Fault
-from edl_agent.faults.pod_faults import pod_ref
+from edl_agent.faults.pod_faults import exit_counting_owner, pod_ref
 from edl_agent.kube_errors import ApiError
 from edl_agent.restarter.decide import Action, Decision
 from edl_agent.restarter.metrics import RestarterMetrics
@@ -32,8 +32,12 @@ from edl_agent.restarter.port import ClusterPort, Conflict, PodView
 from edl_agent.restarter.reference import reference
 from edl_agent.restarter.replacer import Replacer
 from edl_agent.restarter.templates import GoneTemplates
+from edl_agent.runtime.bounded import BoundedSet
 
 log = structlog.get_logger(__name__)
+
+
+OWNERS_TOLD = 10_000
 
 
 class Progress(Protocol):
@@ -78,6 +82,9 @@ class Deciders:
         self._clock = clock
         self.batch, self._attempts = batch, attempts
         self._queues: list[queue.Queue[Task | None]] = [queue.Queue() for _ in range(workers)]
+        # (namespace, policy, owner) told about already: one warning each, not one per exit.
+        self._owners_told = BoundedSet(OWNERS_TOLD)
+        self._owners_lock = threading.Lock()
 
     def parts(self) -> list[Decider]:
         return [Decider(f"decider-{i}", self, q) for i, q in enumerate(self._queues)]
@@ -228,6 +235,19 @@ class Deciders:
                 f"({ref.namespace}/{ref.name}): {decision.reason}",
                 reference(policy),
             )
+        elif action is Action.OWNER_DECIDES:
+            owner = exit_counting_owner(task.pod) or "its owner"
+            with self._owners_lock:
+                first = self._owners_told.add((ref.namespace, name, owner))
+            if first:
+                self._progress.announce(
+                    "Warning",
+                    "OwnerDecidesExits",
+                    f"a rule of this policy would restart pods of {owner} on exits, but the "
+                    "Job counts its pods' exits itself: its backoffLimit and podFailurePolicy "
+                    f"decide, not this policy (first seen on {ref.namespace}/{ref.name})",
+                    reference(policy),
+                )
         elif action is Action.LIMIT_EXCEEDED:
             self._progress.announce(
                 "Warning",

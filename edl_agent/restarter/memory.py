@@ -146,7 +146,13 @@ class InMemoryCluster:
             return None if found is None else copy.deepcopy(found)
 
     def replace(
-        self, pod: Mapping[str, Any], *, fault_kind: FaultKind, failed_node: str, force: bool
+        self,
+        pod: Mapping[str, Any],
+        *,
+        fault_kind: FaultKind,
+        failed_node: str,
+        force: bool,
+        why: str = "",
     ) -> Replacement:
         meta = pod["metadata"]
         avoid = failed_node if fault_kind in NODE_FAULTS and failed_node else None

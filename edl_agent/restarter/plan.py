@@ -18,7 +18,7 @@ from typing import Any
 
 from edl_agent.faults.in_place import restarts_in_place
 from edl_agent.faults.model import Fault, FaultKind, PodRef
-from edl_agent.faults.pod_faults import pod_created, pod_ref
+from edl_agent.faults.pod_faults import exit_counting_owner, pod_created, pod_ref
 from edl_agent.restarter.decide import Action, Decision, decide
 from edl_agent.restarter.policy import Policy, RestartScope
 from edl_agent.restarter.spec import parse_policy
@@ -34,6 +34,9 @@ from edl_agent.restarter.status import (
 from edl_agent.typed import SchemaError
 
 Pod = Mapping[str, Any]
+# Decisions that change nothing but the record: one seen again (a re-list after a restart) is
+# not recorded twice.
+_ONCE = frozenset({Action.IN_PLACE, Action.OWNER_DECIDES})
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,7 @@ def plan(
             now=now,
             in_place=in_place,
             created=pod_created(task.pod),
+            exit_owner=exit_counting_owner(task.pod),
         )
         result.decisions.append((task, decision))
         targets: list[Pod] = []
@@ -106,7 +110,7 @@ def plan(
             targets = [task.pod]
             if decision.scope is not RestartScope.POD:
                 targets += members(policy, decision, task.pod)
-        if decision.action is Action.IN_PLACE and _recorded(status, identity.job, fault.id):
+        if decision.action in _ONCE and _recorded(status, identity.job, fault.id):
             continue  # seen again (a re-list after a restart): nothing new to record
         refs = [pod_ref(t) for t in targets]
         # A Backoff keeps its own pod's template; a Restart those of the pods it replaces.

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from edl_agent.faults.pod_faults import controller_owned
+from edl_agent.faults.pod_faults import pod_controller
 
 OUR_ANNOTATIONS = "edl.io/"
 MAX_MESSAGE = 512
@@ -54,8 +54,10 @@ def _metadata(pod: Mapping[str, Any]) -> dict[str, Any]:
     }
     if annotations:
         kept["annotations"] = annotations
-    if controller_owned(pod):
-        kept["ownerReferences"] = [{"controller": True}]
+    owner = pod_controller(pod)
+    if owner is not None:
+        kind, name = owner
+        kept["ownerReferences"] = [{"controller": True, "kind": kind, "name": _shared(name)}]
     return kept
 
 

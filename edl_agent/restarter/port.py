@@ -41,10 +41,17 @@ class ClusterPort(Protocol):
         ...
 
     def replace(
-        self, pod: Mapping[str, Any], *, fault_kind: FaultKind, failed_node: str, force: bool
+        self,
+        pod: Mapping[str, Any],
+        *,
+        fault_kind: FaultKind,
+        failed_node: str,
+        force: bool,
+        why: str = "",
     ) -> Replacement:
         """Create the replacement of `pod` (its name fixed by the restart count, so a second
-        try finds the first), then delete `pod` (conditional on its uid)."""
+        try finds the first), then delete `pod` (conditional on its uid). A pod a controller
+        owns is only deleted, marked DisruptionTarget first with `why` (the fault)."""
         ...
 
 

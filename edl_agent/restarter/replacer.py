@@ -86,7 +86,13 @@ class Replacer:
                 pods.node_not_ready(node)
                 or (pending.fault is FaultKind.NODE_NOT_READY and node == pending.node)
             )
-            self._port.replace(pod, fault_kind=pending.fault, failed_node=pending.node, force=force)
+            self._port.replace(
+                pod,
+                fault_kind=pending.fault,
+                failed_node=pending.node,
+                force=force,
+                why=disruption_message(pending),
+            )
         except ApiError as exc:
             self._metrics.replacement_errors.inc()
             log.error(
@@ -95,3 +101,12 @@ class Replacer:
                 fault_id=pending.fault_id,
                 error=str(exc),
             )
+
+
+def disruption_message(pending: PendingRestart) -> str:
+    """What the DisruptionTarget condition of a deleted controller-owned pod says."""
+    where = f" on node {pending.node}" if pending.node else ""
+    return (
+        f"deleted by edl-restarter for a fault: {pending.fault}{where} (fault {pending.fault_id}, "
+        f"job {pending.job})"
+    )

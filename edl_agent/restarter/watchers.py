@@ -18,7 +18,8 @@ every event reads exits from `lastState` as well as `state`: a container kubelet
 place while the restarter was down shows its exit only there. An id already emitted by this
 process is not emitted again (the newest `KEEP_IDS`); one emitted again after a restart is
 harmless downstream (a fault older than its slot's last restart is stale). Pods the actuator
-deleted itself (annotation `DELETED_BY_ANNOTATION`, or a uid passed to `ignore_uid`) give no
+deleted itself (its DisruptionTarget condition of reason `DISRUPTION_REASON`, the annotation
+`DELETED_BY_ANNOTATION` of earlier versions, or a uid passed to `ignore_uid`) give no
 faults.
 
 `ClusterWatcher.parts()` are supervised parts: each watch (watched through `Watched`, ready once
@@ -42,6 +43,7 @@ from kubernetes import client
 from edl_agent.faults.ids import node_not_ready_id
 from edl_agent.faults.model import Fault, FaultKind, PodRef
 from edl_agent.faults.pod_faults import (
+    DISRUPTION_REASON,
     container_exit_faults,
     eviction_fault,
     force_deletion_fault,
@@ -161,8 +163,16 @@ class ListWatch(WatchLoop):
 
 
 def deleted_by_us(pod: Mapping[str, Any]) -> bool:
+    """The restarter set the pod's DisruptionTarget condition before deleting it (or, as
+    restarters before it did, the annotation `DELETED_BY_ANNOTATION`)."""
     annotations = (pod.get("metadata") or {}).get("annotations") or {}
-    return annotations.get(DELETED_BY_ANNOTATION) == RESTARTER
+    if annotations.get(DELETED_BY_ANNOTATION) == RESTARTER:
+        return True
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(
+        c.get("type") == "DisruptionTarget" and c.get("reason") == DISRUPTION_REASON
+        for c in conditions
+    )
 
 
 def is_not_ready(node: Mapping[str, Any]) -> bool:

@@ -471,7 +471,7 @@ def test_a_policy_the_parser_refuses_gets_a_condition_and_restarts_nothing(
     assert pod_or_none(k8s, "b-worker-0-r1") is None
 
 
-def test_a_pod_that_reuses_the_name_is_neither_tagged_nor_deleted(
+def test_a_pod_that_reuses_the_name_is_neither_marked_nor_deleted(
     k8s: KwokCluster, k8s_api_client: client.ApiClient
 ) -> None:
     """The restarter deletes the pod it decided about, by uid: one made again under that name
@@ -484,11 +484,12 @@ def test_a_pod_that_reuses_the_name_is_neither_tagged_nor_deleted(
     wait_for("the first pod gone", lambda: pod_or_none(k8s, name), lambda pod: pod is None, 15)
     again = k8s.create_pod(name, node=node)
     assert again.metadata.uid != old.metadata.uid
-    Actuator(k8s_api_client).delete(decided_about, force=True)
+    Actuator(k8s_api_client).delete(decided_about, force=True, disruption="a test's fault")
     current = k8s.read_pod(name)
     assert current.metadata.uid == again.metadata.uid
     assert current.metadata.deletion_timestamp is None
     assert DELETED_BY_ANNOTATION not in (current.metadata.annotations or {})
+    assert not [c for c in current.status.conditions or [] if c.type == "DisruptionTarget"]
 
 
 def test_a_fault_in_hand_counts_in_the_queue_depth(
