@@ -540,3 +540,37 @@ def test_the_controller_is_not_ready_while_its_dispatcher_is_down(clock: Clock) 
     finally:
         controller.stop()
     assert not [t for t in threading.enumerate() if t.name.startswith("part-")]
+
+
+def test_under_fence_wait_a_pod_on_a_cut_off_node_is_replaced_only_once_the_node_is_gone(
+    cluster: InMemoryCluster, clock: Clock
+) -> None:
+    cluster.add_policy(NS, "p", spec(fence="Wait"))
+    pod = cluster.add_pod(NS, "a-0", node="node-7", labels=labels("a", 0))
+    cluster.not_ready.add("node-7")
+    controller = Controller(
+        port=cluster,
+        pods=cluster,
+        clock=clock,
+        settings=ControllerSettings(workers=1, check_every_seconds=0.05),
+    )
+    controller.policies.listed(NS, [cluster.read_policy(NS, "p")])
+    controller.start()
+    try:
+        assert controller.recovered.wait(5)
+        ref = PodRef(NS, "a-0", pod["metadata"]["uid"])
+        fault = Fault("notready/node-7/a-0", FaultKind.NODE_NOT_READY, "node-7", START, pods=(ref,))
+        controller.accept(fault)
+        assert job_entry(cluster, "a")["pendingRestarts"][0]["fence"] == "Wait"
+        wait_until(lambda: controller.metrics.node_waits._value.get() == 1, 10, what="a wait")
+        clock.advance(30)  # past resume_after: the recorded restart is looked at again
+        checks = controller.checks
+        wait_until(lambda: controller.checks >= checks + 2, 10, what="two more checks")
+        assert (names(cluster), cluster.calls["create_pod"]) == (["a-0"], 0)  # it waits
+
+        cluster.out_of_service.add("node-7")  # the operator says the node is down
+
+        wait_until(lambda: names(cluster) == ["a-0-r1"], 10, what="the replacement")
+        assert controller.metrics.node_waits._value.get() == 1  # told once
+    finally:
+        controller.stop()

@@ -23,6 +23,7 @@ from edl_agent.restarter.policy import (
     Backoff,
     ExceptionalEvent,
     ExitCodes,
+    Fence,
     PodIdentity,
     Policy,
     RestartPolicy,
@@ -834,3 +835,10 @@ def test_property_the_first_matching_rule_wins(
     extended = dataclasses.replace(p, rules=p.rules + rules)
     if matching:  # rules after the first match change nothing
         assert run(extended, fault, who) == d
+
+
+def test_fence_defaults_to_force_and_names_a_bad_value() -> None:
+    assert policy().fence is Fence.FORCE
+    assert policy(fence="Wait").fence is Fence.WAIT
+    with pytest.raises(SchemaError, match=r"spec\.fence"):
+        policy(fence="Later")

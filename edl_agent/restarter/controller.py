@@ -148,7 +148,13 @@ class Controller:
         self._storm = StormWatch(pods, self.metrics, self.announce)
         self.policies = PolicyCache(port, clock=clock, monotonic=monotonic)
         self._templates = GoneTemplates(pods, clock=clock, keep=s.keep_templates)
-        replacer = Replacer(port=port, pods=pods, templates=self._templates, metrics=self.metrics)
+        replacer = Replacer(
+            port=port,
+            pods=pods,
+            templates=self._templates,
+            metrics=self.metrics,
+            announce=self.announce,
+        )
         self.deciders = Deciders(
             port=port,
             pods=pods,
@@ -162,6 +168,7 @@ class Controller:
             batch=s.batch,
             attempts=s.decide_attempts,
         )
+        self.checks = 0  # rounds of the recorded restarts' check done (what tests wait on)
         self._recorded = Recorded(
             port=port,
             policies=self.policies,
@@ -403,6 +410,7 @@ class Controller:
                 self._recorded.check(now)
             except ApiError as exc:
                 log.warning("checking the policies' pending restarts failed", error=str(exc))
+            self.checks += 1
 
 
 def _tell(waiter: _Waiter | None, error: str | None) -> None:

@@ -37,6 +37,7 @@ class InMemoryCluster:
         self.gone: dict[str, dict[str, Any]] = {}  # uid → deleted pod
         self.not_ready: set[str] = set()
         self.nodes: set[str] = set()
+        self.out_of_service: set[str] = set()
         self.calls: Counter[str] = Counter()
         self.failing: set[str] = set()
         """Call names (`write_status`, `create_pod`, `delete_pod`, `read_policy`, `read_pod`)
@@ -186,6 +187,9 @@ class InMemoryCluster:
 
     def node_not_ready(self, node: str) -> bool:
         return node in self.not_ready
+
+    def node_gone(self, node: str) -> bool:
+        return node not in self.nodes or node in self.out_of_service
 
     def node_counts(self) -> tuple[int, int]:
         return len(self.not_ready), len(self.nodes)

@@ -3,7 +3,8 @@
 edl_restarter_decisions_total{action,reason}      decisions; reason = the fault's kind
 edl_restarter_fault_to_replacement_seconds{fault} fault observed → replacement created
 edl_restarter_replacement_errors_total            replacements the API refused
-edl_restarter_api_writes_total{what}              writes made: status, create, mark, delete
+edl_restarter_node_waits_total                    pods whose replacement waits for their node
+edl_restarter_api_writes_total{what}              writes made: status, create, disruption, delete
 edl_restarter_intake_faults_total{outcome}        reported faults: accepted, duplicate, deferred
 edl_restarter_intake_refusals_total{reason}       reports refused (token, account, node)
 edl_restarter_queue_depth                         faults waiting for or in a decision
@@ -67,10 +68,16 @@ class RestarterMetrics:
             "Pod replacements the API refused or that failed (retried on restart).",
             registry=r,
         )
+        self.node_waits = Counter(
+            "edl_restarter_node_waits",
+            "Pods on a NotReady node whose replacement waits until the node is known gone "
+            "(a StatefulSet's pods, a policy's fence: Wait); each pod counted once.",
+            registry=r,
+        )
         self.api_writes = Counter(
             "edl_restarter_api_writes",
             "Writes the restarter made to the API: a policy's status, a replacement created, "
-            "a pod marked as deleted by it, a pod deleted.",
+            "a controller-owned pod marked DisruptionTarget, a pod deleted.",
             ["what"],
             registry=r,
         )

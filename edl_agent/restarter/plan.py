@@ -117,7 +117,10 @@ def plan(
         kept = [task.ref] if decision.action is Action.BACKOFF else refs
         templates = {r.uid: t for r in kept if (t := gone(r)) is not None}
         changed = (
-            apply_decision(status, decision, now=now, targets=refs, templates=templates) or changed
+            apply_decision(
+                status, decision, now=now, targets=refs, templates=templates, fence=policy.fence
+            )
+            or changed
         )
         if decision.action is Action.RESTART:
             pending = PendingRestart(
@@ -128,6 +131,7 @@ def plan(
                 at=now,
                 pods=tuple(refs),
                 templates=templates,
+                fence=policy.fence,
             )
             result.restarts.append(pending)
         elif decision.action is Action.BACKOFF and decision.until is not None:

@@ -130,6 +130,17 @@ class RestartScope(enum.StrEnum):
     ALL = "All"
 
 
+class Fence(enum.StrEnum):
+    """When a pod on a NotReady node may be replaced: `Force` as soon as the node fault is
+    decided (the old pod is force-deleted; while the node is only cut off, its copy may still
+    run beside the replacement); `Wait` only once the node is known gone (the Node deleted, or
+    tainted `node.kubernetes.io/out-of-service`): never two copies, but no recovery without
+    that. A StatefulSet's pods always wait, whatever the policy says."""
+
+    FORCE = "Force"
+    WAIT = "Wait"
+
+
 class ExceptionalEvent(enum.StrEnum):
     NODE_NOT_READY = "nodeNotReady"
     POD_FORCE_DELETED = "PodForceDeleted"
@@ -277,6 +288,7 @@ class Policy:
     restart_time_limit: int = DEFAULT_RESTART_TIME_LIMIT
     restart_timeout: int | None = None
     backoff: Backoff = field(default_factory=Backoff)
+    fence: Fence = Fence.FORCE
 
     def identify(self, pod: PodRef, labels: Mapping[str, str]) -> PodIdentity | None:
         """The pod's place in its job, or None when the policy does not cover the pod."""

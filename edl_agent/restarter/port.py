@@ -71,6 +71,10 @@ class PodView(Protocol):
 
     def node_not_ready(self, node: str) -> bool: ...
 
+    def node_gone(self, node: str) -> bool:
+        """The node is known gone: deleted, or tainted `node.kubernetes.io/out-of-service`."""
+        ...
+
     def node_counts(self) -> tuple[int, int]:
         """(NotReady, all) nodes."""
         ...

@@ -7,19 +7,27 @@ in the policy's status and is carried out again later (`recorded.Recorded.check`
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import structlog
 
 from edl_agent.faults.model import FaultKind, PodRef
-from edl_agent.faults.pod_faults import pod_ref
+from edl_agent.faults.pod_faults import controller_owned, pod_controller, pod_ref
 from edl_agent.kube_errors import ApiError
 from edl_agent.restarter.metrics import RestarterMetrics
 from edl_agent.restarter.pod_cache import is_whole
+from edl_agent.restarter.policy import Fence
 from edl_agent.restarter.port import ClusterPort, PodView
 from edl_agent.restarter.status import PendingRestart
 from edl_agent.restarter.templates import GoneTemplates
+from edl_agent.runtime.bounded import BoundedSet
 
 log = structlog.get_logger(__name__)
+
+TOLD = 10_000
+# (kind, reason, message, the object it is about)
+Announce = Callable[[str, str, str, Mapping[str, str]], None]
 
 
 class Replacer:
@@ -30,13 +38,18 @@ class Replacer:
         pods: PodView,
         templates: GoneTemplates,
         metrics: RestarterMetrics,
+        announce: Announce | None = None,
     ) -> None:
+        """`announce(kind, reason, message, about)`: an Event for the operator about a pod that
+        waits for its node."""
         self._port = port
         self._pods = pods
         self._templates = templates
         self._metrics = metrics
         self._lock = threading.Lock()
         self._replacing: set[tuple[str, str, str]] = set()  # (namespace, job, fault id)
+        self._announce = announce
+        self._told = BoundedSet(TOLD)  # pod uids whose wait for their node was told
 
     def busy(self, namespace: str, pending: PendingRestart) -> bool:
         """Whether that restart is being carried out right now."""
@@ -56,6 +69,29 @@ class Replacer:
         finally:
             with self._lock:
                 self._replacing.discard(key)
+
+    def _fence_waits(self, pending: PendingRestart, ref: PodRef, node: str) -> None:
+        with self._lock:
+            first = self._told.add(ref.uid or f"{ref.namespace}/{ref.name}")
+        if not first:
+            return
+        self._metrics.node_waits.inc()
+        message = (
+            f"pod {ref.namespace}/{ref.name} of job {pending.job} waits for node {node}: it is "
+            "NotReady but not known gone, so its pod may still run; delete the Node or taint "
+            "it node.kubernetes.io/out-of-service once it is down, and the pod is replaced"
+        )
+        log.warning("a pod waits for its node to be known gone", pod=ref.name, node=node)
+        if self._announce is not None:
+            about = {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "name": ref.name,
+                "namespace": ref.namespace,
+            }
+            if ref.uid:
+                about["uid"] = ref.uid
+            self._announce("Warning", "WaitingForNode", message, about)
 
     def _replace_one(self, pending: PendingRestart, ref: PodRef) -> None:
         pods = self._pods
@@ -86,6 +122,15 @@ class Replacer:
                 pods.node_not_ready(node)
                 or (pending.fault is FaultKind.NODE_NOT_READY and node == pending.node)
             )
+            if force and must_wait(pod, pending) and not pods.node_gone(node):
+                if not controller_owned(pod):
+                    self._fence_waits(pending, ref, node)
+                    return  # looked at again with the recorded restarts, until the node is gone
+                # Deleted gracefully: it stays Terminating while its node is cut off, and its
+                # controller makes no second copy until the pod is gone (Kubernetes' own
+                # garbage collection removes it once the node is deleted or out of service).
+                force = False
+                self._fence_waits(pending, ref, node)
             self._port.replace(
                 pod,
                 fault_kind=pending.fault,
@@ -101,6 +146,14 @@ class Replacer:
                 fault_id=pending.fault_id,
                 error=str(exc),
             )
+
+
+def must_wait(pod: Mapping[str, Any], pending: PendingRestart) -> bool:
+    """Whether the pod may be replaced only once its NotReady node is known gone: a
+    StatefulSet's pod always (two pods of one identity must never run), another by its policy's
+    `fence: Wait`."""
+    owner = pod_controller(pod)
+    return (owner is not None and owner[0] == "StatefulSet") or pending.fence is Fence.WAIT
 
 
 def disruption_message(pending: PendingRestart) -> str:

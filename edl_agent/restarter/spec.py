@@ -18,6 +18,7 @@ from edl_agent.restarter.policy import (
     Backoff,
     ExceptionalEvent,
     ExitCodes,
+    Fence,
     Policy,
     RestartPolicy,
     RestartScope,
@@ -70,6 +71,7 @@ class _PolicySpec:
     restartTimeout: int | None = None
     backoff: _BackoffSpec = field(default_factory=_BackoffSpec)
     faultTolerantPolicy: tuple[_RuleSpec, ...] = ()
+    fence: Fence = Fence.FORCE
 
 
 def parse_policy(spec: Any, where: str = "spec") -> Policy:
@@ -109,6 +111,7 @@ def parse_policy(spec: Any, where: str = "spec") -> Policy:
         restart_time_limit=raw.restartTimeLimit,
         restart_timeout=raw.restartTimeout,
         backoff=backoff,
+        fence=raw.fence,
     )
 
 

@@ -42,7 +42,7 @@ from edl_agent.faults.model import Fault, FaultKind, PodRef
 from edl_agent.kube_time import format_micro_time
 from edl_agent.kube_time import parse_time as parse_api_time
 from edl_agent.restarter.decide import Action, Decision
-from edl_agent.restarter.policy import RestartScope
+from edl_agent.restarter.policy import Fence, RestartScope
 from edl_agent.restarter.record import JobRecord, LastRestart, ReplicaCount
 
 LAST_ACTIONS = 10
@@ -107,6 +107,8 @@ class PendingRestart:
     pods: tuple[PodRef, ...]
     templates: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     """uid → the pod as it was, for pods gone already at the decision (see `pod_template`)."""
+    fence: Fence = Fence.FORCE
+    """The policy's `fence` when it was decided: whether a pod on a NotReady node waits."""
 
 
 def pod_template(pod: Mapping[str, Any]) -> dict[str, Any]:
@@ -144,6 +146,7 @@ def apply_decision(
     now: datetime,
     targets: Sequence[PodRef] = (),
     templates: Mapping[str, Mapping[str, Any]] | None = None,
+    fence: Fence = Fence.FORCE,
 ) -> bool:
     """`record_decision` in place, without the totals (`update_totals` once for a batch).
     `templates`: uid → `pod_template` of the pods the API no longer has. Whether it changed
@@ -171,15 +174,16 @@ def apply_decision(
             backoff["template"] = dict(templates[pod.uid])
         entry.setdefault("pendingBackoffs", []).append(backoff)
     if decision.action is Action.RESTART and targets:
-        entry.setdefault("pendingRestarts", []).append(
-            {
-                "faultId": decision.fault.id,
-                "fault": str(decision.fault.kind),
-                "node": decision.fault.node,
-                "time": format_micro_time(now),
-                "pods": [_pending_pod(t, templates) for t in targets],
-            }
-        )
+        pending = {
+            "faultId": decision.fault.id,
+            "fault": str(decision.fault.kind),
+            "node": decision.fault.node,
+            "time": format_micro_time(now),
+            "pods": [_pending_pod(t, templates) for t in targets],
+        }
+        if fence is Fence.WAIT:
+            pending["fence"] = str(fence)
+        entry.setdefault("pendingRestarts", []).append(pending)
     return True
 
 
@@ -226,6 +230,7 @@ def pending_restarts(obj: Mapping[str, Any]) -> list[PendingRestart]:
                         for p in entry.get("pods") or []
                         if isinstance(p.get("template"), Mapping)
                     },
+                    fence=Fence.WAIT if entry.get("fence") == Fence.WAIT else Fence.FORCE,
                 )
             )
     return sorted(found, key=lambda p: p.at)

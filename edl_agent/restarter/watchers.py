@@ -162,6 +162,9 @@ class ListWatch(WatchLoop):
         return min(2.0 ** (failures_in_row - 1), MAX_RETRY_DELAY)
 
 
+OUT_OF_SERVICE_TAINT = "node.kubernetes.io/out-of-service"
+
+
 def deleted_by_us(pod: Mapping[str, Any]) -> bool:
     """The restarter set the pod's DisruptionTarget condition before deleting it (or, as
     restarters before it did, the annotation `DELETED_BY_ANNOTATION`)."""
@@ -173,6 +176,13 @@ def deleted_by_us(pod: Mapping[str, Any]) -> bool:
         c.get("type") == "DisruptionTarget" and c.get("reason") == DISRUPTION_REASON
         for c in conditions
     )
+
+
+def is_out_of_service(node: Mapping[str, Any]) -> bool:
+    """The node carries the `node.kubernetes.io/out-of-service` taint (any effect): an operator
+    has said it is down, and what ran there runs no more (Kubernetes' non-graceful shutdown)."""
+    taints = (node.get("spec") or {}).get("taints") or []
+    return any(t.get("key") == OUT_OF_SERVICE_TAINT for t in taints)
 
 
 def is_not_ready(node: Mapping[str, Any]) -> bool:
@@ -221,6 +231,7 @@ class ClusterWatcher:
         self._replacers: BoundedMap[str, str] = BoundedMap(KEEP_IDS)
         self._not_ready: dict[str, datetime] = {}  # node → since
         self._nodes: set[str] = set()
+        self._out_of_service: set[str] = set()  # tainted node.kubernetes.io/out-of-service
         core: Any = client.CoreV1Api(api)
         self._watches: list[ListWatch] = []
         scopes: list[str | None] = [*namespaces] or [None]
@@ -288,6 +299,12 @@ class ClusterWatcher:
     def node_not_ready(self, node: str) -> bool:
         with self._lock:
             return node in self._not_ready
+
+    def node_gone(self, node: str) -> bool:
+        """The node is known gone: deleted (not among the nodes listed and watched), or tainted
+        `node.kubernetes.io/out-of-service` (an operator's word that it is down)."""
+        with self._lock:
+            return node not in self._nodes or node in self._out_of_service
 
     def node_counts(self) -> tuple[int, int]:
         """(NotReady, all) nodes as the watch shows them now."""
@@ -409,17 +426,23 @@ class ClusterWatcher:
             # A re-list keeps when a node still NotReady was first seen so: its grace goes on.
             self._not_ready = {n: s for n, s in self._not_ready.items() if n in listed}
             self._nodes.clear()
+            self._out_of_service.clear()
         for node in items:
             self.node_event("ADDED", node)
 
     def node_event(self, kind: str, node: dict[str, Any]) -> None:
         name = str((node.get("metadata") or {}).get("name", ""))
         not_ready = kind != "DELETED" and is_not_ready(node)
+        out_of_service = kind != "DELETED" and is_out_of_service(node)
         with self._lock:
             if kind == "DELETED":
                 self._nodes.discard(name)
             else:
                 self._nodes.add(name)
+            if out_of_service:
+                self._out_of_service.add(name)
+            else:
+                self._out_of_service.discard(name)
             if not_ready:
                 self._not_ready.setdefault(name, self._clock())
             else:
