@@ -1,10 +1,13 @@
-"""Pods a controller owns, with the restarter on a real API server and KWOK nodes (no controller
-manager here: the Job object is only the owner the pods name). An exit is the Job's to decide;
-a node fault deletes the pod as a disruption (DisruptionTarget set first), which a Job's
-podFailurePolicy can ignore; the restarter's role may patch that condition."""
+"""Pods a controller owns, and pods that must not run twice, with the restarter on a real API
+server and KWOK nodes (no controller manager here: the owners are inert objects the pods name).
+An exit is a Job's to decide; a node fault deletes the pod as a disruption (DisruptionTarget set
+first), which a Job's podFailurePolicy can ignore; the restarter's role may patch that
+condition. A StatefulSet's pod on a cut-off node is deleted gracefully, never forced; under
+`fence: Wait` a bare pod's replacement waits until the node is known gone."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -23,6 +26,7 @@ from test_restarter import (  # fixtures too: pytest finds them among the module
 )
 
 from edl_agent.faults.pod_faults import DISRUPTION_REASON
+from edl_agent.restarter.watchers import OUT_OF_SERVICE_TAINT
 
 __all__ = ["controller", "crd", "make_policy", "objects", "restarter_rbac"]
 
@@ -45,9 +49,15 @@ def owned_pod(k8s: KwokCluster, name: str, node: str, owner: str, *, kind: str) 
         api_version = "batch/v1"
     else:
         spec = {"replicas": 0, "selector": {"matchLabels": {"owner": owner}}, "template": template}
-        made = client.AppsV1Api(k8s.api).create_namespaced_replica_set(
-            k8s.namespace, {"metadata": {"name": owner}, "spec": spec}
-        )
+        apps = client.AppsV1Api(k8s.api)
+        if kind == "StatefulSet":
+            made = apps.create_namespaced_stateful_set(
+                k8s.namespace, {"metadata": {"name": owner}, "spec": spec | {"serviceName": owner}}
+            )
+        else:
+            made = apps.create_namespaced_replica_set(
+                k8s.namespace, {"metadata": {"name": owner}, "spec": spec}
+            )
         api_version = "apps/v1"
     reference = {
         "apiVersion": api_version,
@@ -188,3 +198,70 @@ def test_the_restarters_role_may_mark_a_pod_as_a_disruption(
         }
     )
     assert review.status.allowed, review.status.reason
+
+
+def test_a_statefulset_pod_on_a_cut_off_node_is_never_force_deleted(
+    k8s: KwokCluster, make_policy: MakePolicy
+) -> None:
+    make_policy(restartPolicy="OnNodeFail")
+    node = k8s.create_gpu_node().metadata.name
+    name = "db-worker-0"
+    owned_pod(k8s, name, node, "db", kind="StatefulSet")
+    since = k8s.read_pod(name).metadata.resource_version
+
+    k8s.make_node_not_ready(node)
+
+    deleting = first_change(k8s, name, since, lambda pod: pod["metadata"].get("deletionTimestamp"))
+    assert deleting["metadata"]["deletionGracePeriodSeconds"] > 0  # graceful: it waits for its node
+    marks = [c for c in deleting["status"]["conditions"] if c["type"] == "DisruptionTarget"]
+    assert [c["reason"] for c in marks] == [DISRUPTION_REASON]
+    (told,) = wait_for(
+        "the pod's WaitingForNode event",
+        lambda: events_about(k8s, name, "WaitingForNode"),
+        lambda events: len(events) == 1,
+        timeout=10,
+    )
+    assert "node.kubernetes.io/out-of-service" in told.message
+
+
+def test_under_fence_wait_a_bare_pod_is_replaced_once_its_node_is_out_of_service(
+    k8s: KwokCluster, make_policy: MakePolicy
+) -> None:
+    make_policy(restartPolicy="OnNodeFail", fence="Wait")
+    node = k8s.create_gpu_node().metadata.name
+    name = "bert-worker-0"
+    k8s.create_pod(name, node=node, labels=labels("bert", "worker", 0))
+    k8s.make_node_not_ready(node)
+    wait_for(
+        "the pod's WaitingForNode event",
+        lambda: events_about(k8s, name, "WaitingForNode"),
+        lambda events: len(events) == 1,
+        timeout=15,
+    )
+    assert pod_or_none(k8s, f"{name}-r1") is None  # its decision is recorded, its pod waits
+    assert k8s.read_pod(name).metadata.deletion_timestamp is None
+
+    taint = {"key": OUT_OF_SERVICE_TAINT, "value": "nodeshutdown", "effect": "NoExecute"}
+    k8s.core.patch_node(node, {"spec": {"taints": [taint]}})
+
+    new = wait_for(f"pod {name}-r1", lambda: pod_or_none(k8s, f"{name}-r1"), bool, timeout=30)
+    assert new.spec.node_name is None
+    wait_for("the old pod gone", lambda: pod_or_none(k8s, name), lambda pod: pod is None, 15)
+
+
+def first_change(
+    k8s: KwokCluster, name: str, since: str, wanted: Callable[[dict[str, Any]], object]
+) -> dict[str, Any]:
+    """The first state of pod `name` after resourceVersion `since` for which `wanted` holds."""
+    stream = watch.Watch().stream(
+        k8s.core.list_namespaced_pod,
+        k8s.namespace,
+        field_selector=f"metadata.name={name}",
+        resource_version=since,
+        timeout_seconds=30,
+    )
+    for event in stream:
+        pod: dict[str, Any] = k8s.api.sanitize_for_serialization(event["object"])
+        if wanted(pod):
+            return pod
+    raise AssertionError(f"pod {name} never changed as waited for")
