@@ -305,12 +305,17 @@ def _discover(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from edl_agent.node_lock import AnotherAgent, one_agent_per_node
     from edl_agent.preflight import check_run_paths
     from edl_agent.runtime.signals import stop_on_signals
 
-    with node_settings(args) as settings:
+    with node_settings(args) as settings, contextlib.ExitStack() as held:
         check_run_paths(settings)
         _check_credentials(settings, simulated=args.simulate is not None)
+        try:  # before anything is served: a second agent touches nothing of the first's
+            held.enter_context(one_agent_per_node(Path(settings.plugin.kubelet_dir)))
+        except AnotherAgent as exc:
+            raise UsageError(str(exc)) from None
         # Imported once the settings are known to be usable: these take most of the start-up.
         from edl_agent.agent import Agent
 
