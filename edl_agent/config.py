@@ -281,7 +281,11 @@ class FaultSettings:
     backoff_initial_seconds: float = setting(
         0.5, "Wait before the first retry after a failed call; it doubles with every failure."
     )
-    backoff_max_seconds: float = setting(30.0, "The longest wait between retries.")
+    backoff_max_seconds: float = setting(
+        5.0,
+        "The longest wait between retries: after an outage of the restarter, faults go within "
+        "about this long of its return.",
+    )
     retry_later_seconds: float = setting(
         1.0, "Wait before faults the restarter asked to be sent again later go again."
     )

@@ -293,6 +293,23 @@ def test_each_fault_is_judged_on_its_node(restarter: Restarter) -> None:
     assert [f.id for f in restarter.received] == [fid(1)]
 
 
+def test_a_report_that_does_not_decode_is_an_invalid_argument(restarter: Restarter) -> None:
+    good = fault_pb2.ReportRequest(faults=[to_proto(fault(1))]).SerializeToString()
+    node = fault(1).node.encode()
+    broken = good.replace(node, node[:-1] + b"\xff")  # invalid UTF-8 in a string field
+    assert broken != good
+    with grpc.insecure_channel(restarter.address) as channel:
+        raw = channel.unary_unary("/edl.fault.v1.FaultIntake/Report")
+        metadata = [("authorization", "Bearer agent-a")]
+        with pytest.raises(grpc.RpcError) as refused:
+            raw(broken, metadata=metadata, timeout=5)
+        assert raw(good, metadata=metadata, timeout=5)  # the same call, well formed, is taken
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "malformed" in refused.value.details()
+    assert restarter.intake.counts().refused == {"malformed": 1}
+    assert [f.id for f in restarter.received] == [fid(1)]
+
+
 def test_a_fault_is_taken_once(restarter: Restarter) -> None:
     first = report(restarter.address, [fault(1), fault(1)], "agent-a")
     again = report(restarter.address, [fault(1)], "agent-a")

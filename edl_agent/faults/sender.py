@@ -41,6 +41,8 @@ log = structlog.get_logger(__name__)
 
 LOG_EVERY_FAILURES = 10  # a long outage logs its first failure and then every tenth
 
+RECONNECT_MAX_MS = 1000
+
 
 @dataclass(frozen=True)
 class SenderSettings:
@@ -58,7 +60,7 @@ class SenderSettings:
     batch_size: int = 100
     call_timeout: float = 10.0
     backoff_initial: float = 0.5
-    backoff_max: float = 30.0
+    backoff_max: float = 5.0
     retry_later: float = 1.0
     """Seconds before faults the restarter asked to be sent again later go again."""
 
@@ -262,11 +264,14 @@ class Sender:
     def _open_channel(self) -> Any:
         settings = self._settings
         backoff_ms = int(settings.backoff_initial * 1000)
-        # gRPC's own reconnect backoff (up to 120 s) would outlast ours after an outage.
+        # gRPC's own reconnect backoff (up to 120 s) would outlast ours after an outage, and
+        # adds to it: a call made while the channel waits to reconnect fails at once. A connect
+        # attempt is cheap, so the channel tries again within a second; our backoff paces calls.
+        most_ms = max(backoff_ms, min(int(settings.backoff_max * 1000), RECONNECT_MAX_MS))
         options: list[tuple[str, str | int]] = [
             ("grpc.initial_reconnect_backoff_ms", backoff_ms),
             ("grpc.min_reconnect_backoff_ms", backoff_ms),
-            ("grpc.max_reconnect_backoff_ms", int(settings.backoff_max * 1000)),
+            ("grpc.max_reconnect_backoff_ms", most_ms),
         ]
         if settings.ca_file is None:
             return grpc.insecure_channel(settings.address, options=options)

@@ -30,6 +30,7 @@ REQUEST_TIMEOUT = (5.0, 10.0)  # connect, read
 
 
 class Refusal(enum.StrEnum):
+    MALFORMED = "malformed"  # not a ReportRequest (bad UTF-8 in a string, broken encoding)
     NO_TOKEN = "no_token"  # noqa: S105 - no `authorization: Bearer <token>` metadata
     INVALID_TOKEN = "invalid_token"  # noqa: S105 - TokenReview did not authenticate it
     WRONG_SERVICE_ACCOUNT = "wrong_service_account"  # authenticated, but not the agent

@@ -48,6 +48,7 @@ from typing import Any, NoReturn
 
 import grpc
 import structlog
+from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 
 from edl_agent._proto.edl.fault.v1 import fault_pb2, fault_pb2_grpc
 from edl_agent.address import is_loopback
@@ -85,7 +86,9 @@ DEADLINE_MARGIN = 0.5
 CACHE_LAG = 30.0
 RETRY_LATER = "retry_later"
 
+SERVICE = "edl.fault.v1.FaultIntake"
 CALL_STATUS = {
+    Refusal.MALFORMED: grpc.StatusCode.INVALID_ARGUMENT,
     Refusal.NO_TOKEN: grpc.StatusCode.UNAUTHENTICATED,
     Refusal.INVALID_TOKEN: grpc.StatusCode.UNAUTHENTICATED,
     Refusal.WRONG_SERVICE_ACCOUNT: grpc.StatusCode.PERMISSION_DENIED,
@@ -141,6 +144,16 @@ class FaultIntake(fault_pb2_grpc.FaultIntakeServicer):
     def counts(self) -> IntakeCounts:
         with self._lock:
             return dataclasses.replace(self._counts, refused=dict(self._refused))
+
+    def report_bytes(self, raw: bytes, context: Any) -> fault_pb2.ReportResponse:
+        """`Report` for a request still encoded: one that does not decode (a string field with
+        invalid UTF-8, say) is refused INVALID_ARGUMENT, where grpc's own decoding would answer
+        INTERNAL without a word."""
+        try:
+            request = fault_pb2.ReportRequest.FromString(raw)
+        except DecodeError as exc:
+            self._refuse_call(context, Refusal.MALFORMED, peer=context.peer(), error=str(exc))
+        return self.Report(request, context)
 
     def Report(self, request: Any, context: Any) -> fault_pb2.ReportResponse:
         peer = context.peer()
@@ -384,7 +397,13 @@ class IntakeServer:
         )
         # gRPC sets SO_REUSEPORT by default: a second server on our port would share the calls.
         server = grpc.server(executor, options=[("grpc.so_reuseport", 0)])
-        fault_pb2_grpc.add_FaultIntakeServicer_to_server(self.intake, server)  # type: ignore[no-untyped-call]
+        report = grpc.unary_unary_rpc_method_handler(
+            self.intake.report_bytes,  # decoded there, to refuse what does not decode
+            response_serializer=fault_pb2.ReportResponse.SerializeToString,
+        )
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE, {"Report": report}),)
+        )
         try:
             if self._tls is None:
                 if not is_loopback(self.listen):
