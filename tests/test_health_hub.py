@@ -7,6 +7,8 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import pytest
+
 from edl_agent.config import HealthSettings
 from edl_agent.devices.model import Device, Inventory, Vendor, VendorReport
 from edl_agent.health.hub import HealthHub
@@ -116,3 +118,26 @@ def test_the_quiet_part_sleeps_until_the_earliest_quiet_period_ends() -> None:
     [back] = hub.expire(now[0])
     assert (back.device_id, back.evidence) == ("GPU-0", Evidence.QUIET)
     assert quiet.next_wait() == 300
+
+
+def test_a_quarantine_that_cannot_be_saved_is_kept_and_saved_once_the_disk_works(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocked = tmp_path / "state"
+    blocked.write_text("a file where the directory should be")  # every write fails (ENOTDIR)
+    writer = QuarantineWriter(QuarantineStore(blocked / "health"), threading.Event())
+    hub = HealthHub(DeviceState(INVENTORY), HealthSettings(), boot_id="boot-1", writer=writer)
+    for code in (79, 48, 95):
+        hub.report(xid("GPU-0", code))
+        writer.flush()
+    assert (writer.failures, writer.unsaved) == (3, True)
+    assert capsys.readouterr().out.count("quarantine not saved") == 1  # said once, not per try
+
+    blocked.unlink()  # the disk works again: the next try saves what was kept, unchanged since
+    writer.flush()
+
+    assert (writer.unsaved, writer.writes) == (False, 1)
+    loaded = QuarantineStore(blocked / "health").load()
+    assert loaded is not None
+    assert set(loaded.conditions) == {"GPU-0"}
+    assert "quarantine saved again" in capsys.readouterr().out

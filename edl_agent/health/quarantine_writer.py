@@ -3,8 +3,10 @@
 The health hub hands each new quarantine (an immutable `Quarantine`) to `offer` while it holds
 its lock, which costs a field assignment; this part writes the latest one (temporary file, fsync,
 rename, through `QuarantineStore.save`) and drops those that a newer one replaced before their
-turn. A write that fails is logged and counted, and the next offer writes again. Stopping writes
-what is still waiting; `flush` writes it on the caller's thread (at start and at close).
+turn. A write that fails (a full or read-only disk) keeps the quarantine in memory, is counted,
+and is tried again every `RETRY_SECONDS` and with every offer; it is logged when saving starts
+to fail and when it works again, not at every try. Stopping writes what is still waiting;
+`flush` writes it on the caller's thread (at start and at close).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from collections.abc import Callable
 import structlog
 
 from edl_agent.health.quarantine_store import Quarantine, QuarantineStore
+
+RETRY_SECONDS = 10.0
 
 
 class QuarantineWriter:
@@ -30,6 +34,7 @@ class QuarantineWriter:
         self._latest: Quarantine | None = None
         self.failures = 0
         self.writes = 0
+        self.unsaved = False  # the last write failed: the quarantine is only in memory
         self._log = structlog.get_logger().bind(part=self.name)
 
     def offer(self, quarantine: Quarantine) -> None:
@@ -47,15 +52,29 @@ class QuarantineWriter:
                 return
             try:
                 self.store.save(quarantine)
-                self.writes += 1
             except OSError as exc:
                 self.failures += 1
-                self._log.error("quarantine not saved", error=str(exc))
+                with self._lock:
+                    if self._latest is None:  # kept for the next try, unless a newer one came
+                        self._latest = quarantine
+                if not self.unsaved:
+                    self._log.error(
+                        "quarantine not saved: kept in memory, tried again",
+                        error=str(exc),
+                        retry_seconds=RETRY_SECONDS,
+                    )
+                self.unsaved = True
+                return
+            self.writes += 1
+            if self.unsaved:
+                self._log.info("quarantine saved again", failures=self.failures)
+            self.unsaved = False
 
     def run(self, stop: threading.Event, ready: Callable[[], None]) -> None:
         ready()
         while True:
-            self._wake.wait()  # no timeout: nothing to do until an offer (or the stop) comes
+            # No timeout while saved: nothing to do until an offer (or the stop) comes.
+            self._wake.wait(RETRY_SECONDS if self.unsaved else None)
             self._wake.clear()
             self.flush()
             if stop.is_set():
