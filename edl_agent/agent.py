@@ -345,7 +345,7 @@ class Agent:
         return self.supervisor.ready()
 
     def agent_counts(self) -> AgentCounts:
-        plugin, dra = self.plugins.counters, self.dra
+        plugin, dra, outbox = self.plugins.counters, self.dra, self.faults.outbox
         failures = Counter(self.step_failures)
         if self.writer is not None and self.writer.failures:
             failures["quarantine_save"] = self.writer.failures
@@ -361,6 +361,8 @@ class Agent:
             parts={p.name: (p.up, p.restarts) for p in self.supervisor.statuses()},
             dra_plugins=dra.plugin_counts() if dra is not None else {},
             dra_publish_failures=dra.publish_failures if dra is not None else 0,
+            faults_in_memory=outbox.counts().in_memory if outbox is not None else 0,
+            quarantine_unsaved=self.writer is not None and self.writer.unsaved,
         )
 
     def _holders_query(self) -> tuple[Units, Claimable]:

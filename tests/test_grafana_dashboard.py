@@ -217,4 +217,4 @@ def test_every_agent_query_answers_with_series(
     table = series("Devices and the pods holding them", "B")
     assert len(table) == 8
     assert sum("pod" in s for s in table) == 4
-    assert only("Failed agent steps")["step"] == "plugins"
+    assert only("Failed agent steps, and state the disk does not hold")["step"] == "plugins"

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from edl_agent.faults.model import Fault, FaultKind, PodRef
-from edl_agent.faults.outbox import Outbox, OutboxError
+from edl_agent.faults.outbox import ATTACH_RETRY_SECONDS, Outbox, OutboxError
 
 T0 = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
 
@@ -190,10 +190,37 @@ def test_a_closed_outbox_takes_nothing(box: Outbox) -> None:
         box.enqueue(fault(1))
 
 
-def test_an_unusable_directory_is_an_error(tmp_path: Path) -> None:
-    (tmp_path / "file").write_text("")
-    with pytest.raises(OutboxError, match="cannot use"):
-        Outbox(tmp_path / "file" / "outbox")
+def test_a_directory_the_disk_refuses_at_start_is_taken_once_it_can_be(tmp_path: Path) -> None:
+    blocked = tmp_path / "state"
+    blocked.write_text("")  # mkdir fails (ENOTDIR), as on a full or read-only disk
+    now = [0.0]
+    with capture_logs() as logs:
+        outbox = Outbox(blocked / "outbox", clock=lambda: now[0])  # no error: in memory
+        for n in (1, 2, 3):
+            assert outbox.enqueue(fault(n))
+        assert [f.id for f in outbox.pending()] == ["fault-1", "fault-2", "fault-3"]
+    try:
+        assert not outbox.on_disk
+        assert outbox.counts().in_memory == 3
+        assert [entry["log_level"] for entry in logs] == ["error"]  # once, not per fault
+        blocked.unlink()  # the disk works again
+        outbox.pending()
+        assert not outbox.on_disk  # not tried again before ATTACH_RETRY_SECONDS
+        now[0] = ATTACH_RETRY_SECONDS
+        outbox.ack(["fault-2"])
+
+        assert [f.id for f in outbox.pending()] == ["fault-1", "fault-3"]
+
+        assert outbox.on_disk
+        assert outbox.counts().in_memory == 0
+        assert len(entries(outbox.directory)) == 2
+    finally:
+        outbox.close()
+    again = Outbox(blocked / "outbox")  # what it kept survives a restart now
+    try:
+        assert [f.id for f in again.pending()] == ["fault-1", "fault-3"]
+    finally:
+        again.close()
 
 
 def test_a_refused_write_keeps_the_fault_in_memory(

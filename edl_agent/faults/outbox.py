@@ -13,9 +13,14 @@ temp file left by a crash mid-write belongs to an enqueue that never returned an
 open. `ack` unlinks without fsync: an ack lost in a crash only sends the fault again, under the
 same id, and the restarter answers it as a duplicate.
 
-When the disk refuses a write, the fault is kept in memory (sent, but lost on restart), logged
-and counted in `write_errors`. When `max_entries` are pending, the oldest is dropped to make
-room, logged and counted in `dropped`: the newest faults matter most to a restart decision.
+When the disk refuses a write, the fault is kept in memory (sent, but lost on restart), counted
+in `write_errors` and `in_memory`, and logged when writing starts to fail and when it works
+again. A directory that cannot be used at all when the outbox opens (a full or read-only disk)
+does not stop the agent: the outbox starts in memory and takes the directory, with what waits
+there, as soon as it can (tried every `ATTACH_RETRY_SECONDS`, when the sender asks for faults).
+Only a directory another process holds is an error. When `max_entries` are pending, the oldest
+is dropped to make room, logged and counted in `dropped`: the newest faults matter most to a
+restart decision.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 import structlog
 from google.protobuf import json_format  # type: ignore[import-untyped]
@@ -46,6 +52,7 @@ CORRUPT_DIR = "corrupt"
 CORRUPT_KEPT = 100
 MAX_ENTRY_BYTES = 1 << 20
 DEFAULT_MAX_ENTRIES = 10_000
+ATTACH_RETRY_SECONDS = 10.0
 
 
 class OutboxError(Exception):
@@ -59,6 +66,7 @@ class OutboxCounts:
     dropped: int = 0
     corrupt: int = 0
     write_errors: int = 0
+    in_memory: int = 0  # pending faults the disk does not hold (lost if the agent restarts)
 
 
 @dataclass
@@ -71,38 +79,45 @@ class _Entry:
 class Outbox:
     """Faults waiting for acknowledgement, in the order they were enqueued. Thread-safe."""
 
-    def __init__(self, directory: Path, *, max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        max_entries: int = DEFAULT_MAX_ENTRIES,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """OutboxError when another process holds `directory`."""
         if max_entries < 1:
             msg = f"outbox max_entries must be at least 1, not {max_entries}"
             raise ValueError(msg)
         self.directory = directory
         self.max_entries = max_entries
+        self._clock = clock
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}  # by fault id, in send order
         self._listeners: list[Callable[[], None]] = []
         self._counts = {"enqueued": 0, "dropped": 0, "corrupt": 0, "write_errors": 0}
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-            self._lock_file = (directory / ".lock").open("a")
-        except OSError as exc:
-            msg = f"cannot use {directory} for the fault outbox: {exc}"
-            raise OutboxError(msg) from None
-        try:
-            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            self._lock_file.close()
-            msg = f"another process holds the fault outbox in {directory}"
-            raise OutboxError(msg) from None
-        self._load()
-        self._next_seq = max((e.seq for e in self._entries.values()), default=0) + 1
+        self._lock_file: TextIO | None = None  # None: the directory is not ours (yet)
+        self._closed = False
+        self._writing_fails = False
+        self._next_attach = 0.0
+        self._next_seq = 1
+        self._attach()
         while len(self._entries) > max_entries:
             self._drop_oldest()
+
+    @property
+    def on_disk(self) -> bool:
+        """Whether the outbox holds its directory (False: faults are kept in memory only)."""
+        return self._lock_file is not None
 
     def close(self) -> None:
         """Release the directory; pending faults stay on disk for the next owner."""
         with self._lock:
-            if not self._lock_file.closed:
+            self._closed = True
+            if self._lock_file is not None:
                 self._lock_file.close()  # closing releases the flock
+                self._lock_file = None
 
     def __len__(self) -> int:
         with self._lock:
@@ -116,7 +131,7 @@ class Outbox:
     def enqueue(self, fault: Fault) -> bool:
         """Keep `fault` until it is acknowledged; False when its id is already pending."""
         with self._lock:
-            if self._lock_file.closed:
+            if self._closed:
                 msg = f"the fault outbox in {self.directory} is closed"
                 raise OutboxError(msg)
             if fault.id in self._entries:
@@ -133,8 +148,11 @@ class Outbox:
         return True
 
     def pending(self, limit: int | None = None) -> list[Fault]:
-        """The oldest `limit` pending faults (all when None), oldest first."""
+        """The oldest `limit` pending faults (all when None), oldest first. Outside its
+        directory, the outbox tries to take it first (at most every ATTACH_RETRY_SECONDS)."""
         with self._lock:
+            if self._lock_file is None and not self._closed and self._clock() >= self._next_attach:
+                self._attach()
             entries = list(self._entries.values())
         return [e.fault for e in entries[:limit]]
 
@@ -152,9 +170,49 @@ class Outbox:
 
     def counts(self) -> OutboxCounts:
         with self._lock:
-            return OutboxCounts(pending=len(self._entries), **self._counts)
+            in_memory = sum(1 for e in self._entries.values() if e.path is None)
+            return OutboxCounts(pending=len(self._entries), in_memory=in_memory, **self._counts)
 
     # --- disk --------------------------------------------------------------------------------
+
+    def _attach(self) -> None:
+        """Take the directory: lock it, read what waits there, write what waits in memory only.
+        While the disk refuses, stay in memory (logged once); OutboxError when another process
+        holds the directory. Called with `_lock` held, or before the outbox is shared."""
+        self._next_attach = self._clock() + ATTACH_RETRY_SECONDS
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            lock_file = (self.directory / ".lock").open("a")
+        except OSError as exc:
+            if not self._writing_fails:
+                log.error(
+                    "outbox: cannot use its directory; faults are kept in memory until it can be",
+                    directory=str(self.directory),
+                    error=str(exc),
+                    retry_seconds=ATTACH_RETRY_SECONDS,
+                )
+            self._writing_fails = True
+            return
+        try:
+            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            lock_file.close()
+            msg = f"another process holds the fault outbox in {self.directory}"
+            raise OutboxError(msg) from None
+        self._lock_file = lock_file
+        in_memory = list(self._entries.values())
+        self._entries = {}
+        self._load()
+        # What waited in memory goes after what waited on disk, written now.
+        self._next_seq = max((e.seq for e in self._entries.values()), default=0) + 1
+        for entry in in_memory:
+            if entry.fault.id in self._entries:
+                continue
+            seq = self._next_seq
+            self._next_seq += 1
+            self._entries[entry.fault.id] = _Entry(seq, entry.fault, self._write(seq, entry.fault))
+        if in_memory:
+            log.info("outbox: in its directory again", written=len(in_memory))
 
     def _load(self) -> None:
         names: list[tuple[int, str]] = []
@@ -182,6 +240,9 @@ class Outbox:
             log.info("outbox: faults waiting from before", count=len(self._entries))
 
     def _write(self, seq: int, fault: Fault) -> Path | None:
+        if self._lock_file is None:
+            self._counts["write_errors"] += 1
+            return None  # not in the directory: in memory until `_attach` takes it
         path = self.directory / f"{seq:020d}.json"
         temp = path.with_name(path.name + TEMP_SUFFIX)
         text = json_format.MessageToJson(
@@ -196,14 +257,19 @@ class Outbox:
             fsync_directory(self.directory)
         except OSError as exc:
             self._counts["write_errors"] += 1
-            log.error(
-                "outbox: cannot write a fault to disk; kept in memory only",
-                fault_id=fault.id,
-                error=str(exc),
-            )
+            if not self._writing_fails:
+                log.error(
+                    "outbox: cannot write faults to disk; kept in memory only",
+                    fault_id=fault.id,
+                    error=str(exc),
+                )
+            self._writing_fails = True
             with contextlib.suppress(OSError):
                 temp.unlink()
             return None
+        if self._writing_fails:
+            log.info("outbox: writing faults to disk again")
+            self._writing_fails = False
         return path
 
     def _remove(self, entry: _Entry) -> None:

@@ -338,6 +338,21 @@ class _Families:
             labels=(),
         )
     )
+    faults_in_memory: GaugeMetricFamily = field(
+        default_factory=lambda: GaugeMetricFamily(
+            "edl_faults_in_memory",
+            "Faults waiting for the restarter that the disk does not hold (a full or read-only "
+            "disk): lost if the agent restarts before they are sent or written.",
+            labels=(),
+        )
+    )
+    quarantine_unsaved: GaugeMetricFamily = field(
+        default_factory=lambda: GaugeMetricFamily(
+            "edl_quarantine_unsaved",
+            "1 while the quarantine could not be saved (it is kept in memory and tried again).",
+            labels=(),
+        )
+    )
     source_errors: CounterMetricFamily = field(
         default_factory=lambda: CounterMetricFamily(
             "edl_metrics_source_errors",
@@ -411,6 +426,8 @@ def _agent(families: _Families, counts: AgentCounts) -> None:
         families.dra_claims.add_metric([driver], claims)
     if counts.dra_plugins:
         families.dra_publish_failures.add_metric([], counts.dra_publish_failures)
+    families.faults_in_memory.add_metric([], counts.faults_in_memory)
+    families.quarantine_unsaved.add_metric([], 1.0 if counts.quarantine_unsaved else 0.0)
 
 
 def _identity(snapshot: Snapshot | None, device_id: str) -> list[str]:

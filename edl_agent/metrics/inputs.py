@@ -45,3 +45,7 @@ class AgentCounts:
     dra_plugins: Mapping[str, tuple[bool, int]] = field(default_factory=dict)
     """DRA driver → (kubelet accepted its plugin, claims prepared now)."""
     dra_publish_failures: int = 0
+    faults_in_memory: int = 0
+    """Faults waiting for the restarter that the disk does not hold (lost on a restart)."""
+    quarantine_unsaved: bool = False
+    """The quarantine's last save failed: it is only in memory."""
