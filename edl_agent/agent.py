@@ -82,6 +82,7 @@ class StopSignal(supervisor.StopSignal):
 
 
 PUBLISHER_CHECK_SECONDS = 5.0
+NVML_STOP_SECONDS = 1.0
 
 
 @dataclass
@@ -186,9 +187,11 @@ class Agent:
         self.stop.set()
         if self.nvml is not None:
             self.nvml.request_stop()  # it ends after its current wait: meanwhile stop the rest
-        stops = (self.publisher, self.faults, self.dra, self.metrics, self.nvml)
+        stops = (self.publisher, self.faults, self.dra, self.metrics)
         for started in [part.stop for part in stops if part is not None]:
             started()
+        if self.nvml is not None:  # NVML's wait cannot be cut short: not waited for long
+            self.nvml.stop(timeout=NVML_STOP_SECONDS)
         self.state.close()
         self.plugins.close()
         self.pods.close()

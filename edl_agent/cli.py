@@ -25,6 +25,7 @@ from edl_agent.sim import commands as sim_commands_module
 
 if TYPE_CHECKING:
     from edl_agent.agent import Agent
+    from edl_agent.runtime.deadline import StopDeadline
 
 EXIT_USAGE = 2
 KUBELET_DIR = "/var/lib/kubelet/device-plugins"
@@ -320,7 +321,13 @@ def _run(args: argparse.Namespace) -> int:
         from edl_agent.agent import Agent
 
         agent = Agent(settings)
-        with stop_on_signals(agent.stop.set):
+        deadline = held.enter_context(_stop_deadline())
+
+        def stop() -> None:
+            agent.stop.set()
+            deadline.arm()
+
+        with stop_on_signals(stop):
             # Kubelet first: the devices are schedulable before the Kubernetes client, the
             # metrics and the fault reporting are even loaded. A later start-up error takes them
             # away again.
@@ -333,6 +340,24 @@ def _run(args: argparse.Namespace) -> int:
                 raise
             agent.run()
     return 0
+
+
+@contextlib.contextmanager
+def _stop_deadline() -> Iterator[StopDeadline]:
+    """Once a signal asks the agent to stop, it ends within STOP_DEADLINE_SECONDS: a wait that
+    cannot be cut short (an API server that stopped answering) does not hold it past that."""
+    from edl_agent.runtime.deadline import StopDeadline
+
+    def expired(running: list[str]) -> None:
+        structlog.get_logger().warning(
+            "stopping took too long: exiting now", seconds=deadline.seconds, running=running
+        )
+
+    deadline = StopDeadline(on_expiry=expired)
+    try:
+        yield deadline
+    finally:
+        deadline.disarm()
 
 
 def _check_credentials(settings: Settings, *, simulated: bool) -> None:

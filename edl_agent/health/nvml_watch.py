@@ -134,7 +134,10 @@ class NvmlWatcher:
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
-                self._log.warning("nvml watcher did not stop in time", timeout=timeout)
+                self._log.info(
+                    "the NVML event wait ends on its own (it cannot be interrupted)",
+                    wait_ms=self.wait_ms,
+                )
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -34,6 +34,7 @@ from edl_agent.restarter.settings import RestarterSettings
 from edl_agent.restarter.storm import StormGuard
 from edl_agent.restarter.watchers import ClusterWatcher
 from edl_agent.runtime.backoff import Backoff
+from edl_agent.runtime.deadline import StopDeadline
 from edl_agent.runtime.signals import stop_on_signals
 from edl_agent.runtime.supervisor import StopSignal, Supervisor
 
@@ -127,8 +128,20 @@ class Restarter:
         return None
 
     def run(self) -> int:
-        with stop_on_signals(self.stop.set):
-            return self._run()
+        def expired(running: list[str]) -> None:
+            logger.warning("stopping took too long: exiting now", running=running)
+
+        deadline = StopDeadline(on_expiry=expired)
+
+        def stop() -> None:
+            self.stop.set()
+            deadline.arm()
+
+        try:
+            with stop_on_signals(stop):
+                return self._run()
+        finally:
+            deadline.disarm()
 
     def _run(self) -> int:
         metrics_server: MetricsServer | None = None
