@@ -594,3 +594,28 @@ def test_tls_needs_both_halves(certificate: tuple[Path, Path]) -> None:
     intake = FaultIntake(review=StandInReviewer(), agent_user=AGENT, on_fault=lambda f: None)
     with pytest.raises(IntakeError, match="both"):
         IntakeServer(intake, listen="127.0.0.1:0", tls_cert=certificate[0])
+
+
+def test_connections_that_never_handshake_are_closed_and_the_surplus_refused(
+    certificate: tuple[Path, Path],
+) -> None:
+    cert, key = certificate
+    restarter = Restarter(
+        tls_cert=cert, tls_key=key, max_connections=20, handshake_timeout=0.5, idle_timeout=60
+    )
+    restarter.server.start()
+    port = restarter.server.port
+    silent: list[socket.socket] = []
+    try:
+        for _ in range(30):  # TCP connections that never start TLS
+            silent.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+        # Each is closed by the server: past the cap at once, the rest at the handshake timeout.
+        for connection in silent:
+            assert connection.recv(1) == b""
+        # And the intake serves again: a real agent's report goes through.
+        response = tls_report(restarter.address, cert, fault(1))
+        assert verdicts(response) == [(fid(1), "VERDICT_ACCEPTED", "")]
+    finally:
+        for connection in silent:
+            connection.close()
+        restarter.server.stop(0)

@@ -377,6 +377,9 @@ class IntakeServer:
         tls_cert: Path | None = None,
         tls_key: Path | None = None,
         workers: int = 8,
+        max_connections: int = 8192,
+        handshake_timeout: float = 10.0,
+        idle_timeout: float = 300.0,
     ) -> None:
         if (tls_cert is None) != (tls_key is None):
             msg = "the intake's TLS needs both a certificate and a key"
@@ -385,6 +388,15 @@ class IntakeServer:
         self.listen = f"[::]{listen}" if listen.startswith(":") else listen
         self._tls = (tls_cert, tls_key) if tls_cert is not None and tls_key is not None else None
         self._workers = workers
+        # grpc core closes a connection that has not finished its handshake in time (one that
+        # never starts TLS held its memory for good), refuses those beyond the cap at accept,
+        # and sends an idle one GOAWAY.
+        self._options: list[tuple[str, int]] = [
+            ("grpc.so_reuseport", 0),  # gRPC's default 1 would let a second server share calls
+            ("grpc.max_allowed_incoming_connections", max_connections),
+            ("grpc.server_handshake_timeout_ms", int(handshake_timeout * 1000)),
+            ("grpc.max_connection_idle_ms", int(idle_timeout * 1000)),
+        ]
         self.certificate: ReloadingCertificate | None = None
         self._server: Any = None
         self._executor: futures.ThreadPoolExecutor | None = None
@@ -395,8 +407,7 @@ class IntakeServer:
         executor = futures.ThreadPoolExecutor(
             max_workers=self._workers, thread_name_prefix="intake"
         )
-        # gRPC sets SO_REUSEPORT by default: a second server on our port would share the calls.
-        server = grpc.server(executor, options=[("grpc.so_reuseport", 0)])
+        server = grpc.server(executor, options=self._options)
         report = grpc.unary_unary_rpc_method_handler(
             self.intake.report_bytes,  # decoded there, to refuse what does not decode
             response_serializer=fault_pb2.ReportResponse.SerializeToString,

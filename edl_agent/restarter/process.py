@@ -94,6 +94,9 @@ class Restarter:
                 listen=intake.listen,
                 tls_cert=Path(intake.tls_cert) if intake.tls_cert else None,
                 tls_key=Path(intake.tls_key) if intake.tls_key else None,
+                max_connections=intake.max_connections,
+                handshake_timeout=intake.handshake_timeout_seconds,
+                idle_timeout=intake.idle_timeout_seconds,
             )
         self.elector: LeaderElector | None = None
         if election.enabled:

@@ -88,6 +88,20 @@ class IntakeSettings:
         "The intake's TLS certificate, a PEM file (`--tls-cert`); empty with `tls_key`: plaintext.",
     )
     tls_key: str = setting("", "The intake's TLS key, a PEM file (`--tls-key`).")
+    max_connections: int = setting(
+        8192,
+        "Connections the intake holds at most (each agent keeps one); more are refused at once. "
+        "Each costs about 20 KiB: the default stays well inside the restarter's 512 MiB.",
+    )
+    handshake_timeout_seconds: float = setting(
+        10.0,
+        "A connection that has not finished its TLS (or HTTP/2) handshake by then is closed.",
+    )
+    idle_timeout_seconds: float = setting(
+        300.0,
+        "A connection without a call for this long is closed (the agent reconnects when it has "
+        "something to send).",
+    )
 
     @property
     def agent_account(self) -> tuple[str, str]:
@@ -107,6 +121,11 @@ class IntakeSettings:
             raise ValueError("tls_key: must be set with tls_cert (give both or neither)")
         if self.tls_key and not self.tls_cert:
             raise ValueError("tls_cert: must be set with tls_key (give both or neither)")
+        if not 1 <= self.max_connections <= 1_000_000:
+            raise ValueError("max_connections: expected 1 to 1000000")
+        for key in ("handshake_timeout_seconds", "idle_timeout_seconds"):
+            if not 0 < getattr(self, key) <= 86400:
+                raise ValueError(f"{key}: must be positive and at most 86400")
 
 
 @dataclass(frozen=True)

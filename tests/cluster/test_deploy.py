@@ -301,6 +301,14 @@ def test_the_manifests_agree_with_each_other_and_the_code(
     assert restarter["securityContext"]["readOnlyRootFilesystem"] is True
     assert restarter["securityContext"]["capabilities"] == {"drop": ["ALL"]}
 
+    # Only the agents reach the intake, only Prometheus the metrics, by the ports' names.
+    policy = find(docs, "NetworkPolicy", "edl-restarter")
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels(deployment).items()
+    rules = {r["ports"][0]["port"]: r["from"][0] for r in policy["spec"]["ingress"]}
+    assert set(rules) <= {p["name"] for p in restarter["ports"]}
+    assert rules["intake"]["podSelector"]["matchLabels"].items() <= pod_labels(daemonset).items()
+    assert "namespaceSelector" not in rules["intake"]  # the agents' own namespace only
+
     # Every manifest is installed, except the example policy and the opt-in patch.
     kustomization = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
     listed = set(kustomization["resources"])
