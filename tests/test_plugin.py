@@ -19,6 +19,7 @@ import pytest
 from edl_agent._proto.deviceplugin.v1beta1 import api_pb2
 from edl_agent.agent import Agent
 from edl_agent.config import load_settings
+from edl_agent.node_lock import LOCK_NAME
 from edl_agent.sim.profile import load_profile, profile_names
 from edl_agent.sim.tree import build_tree
 from tests.kubelet_standin import KubeletStandIn, Watch
@@ -402,7 +403,8 @@ def test_run_command_serves_until_sigterm(tmp_path: Path) -> None:
     assert "Traceback" not in err
     assert "nvidia.com/gpu  8" in out
     assert '"event": "registered with kubelet"' in err
-    assert not any(kubelet.directory.iterdir())
+    # Our sockets are gone; the one-agent-per-node lock file stays for the next agent.
+    assert [p.name for p in kubelet.directory.iterdir()] == [LOCK_NAME]
 
 
 def test_socket_paths_fit_a_unix_socket() -> None:
