@@ -142,6 +142,7 @@ def test_a_dgx_h100_is_one_slice_of_eight_gpus_with_their_facts(h100: Simulated)
         "index": 3,
         "serial": found.attributes["serial"],
         "numaNode": found.numa_node,
+        "resource.kubernetes.io/numaNode": found.numa_node,
         PCI_BUS_ID: found.pci_bus_id,
         "driverVersion": "550.90.7",
         "cudaDriverVersion": "12.4.0",
@@ -150,6 +151,7 @@ def test_a_dgx_h100_is_one_slice_of_eight_gpus_with_their_facts(h100: Simulated)
     }
     assert gpu3["attributes"]["driverVersion"] == {"version": "550.90.7"}
     assert gpu3["attributes"]["numaNode"] == {"int": found.numa_node}
+    assert gpu3["attributes"]["resource.kubernetes.io/numaNode"] == {"int": found.numa_node}
     assert gpu3["capacity"] == {"memory": {"value": "81559Mi"}}
     assert not {"taints", "allowMultipleAllocations", "consumesCounters"} & gpu3.keys()
 

@@ -9,8 +9,10 @@ Attributes (unqualified names belong to the driver's domain, e.g.
 `device.attributes["gpu.nvidia.edl.io"].kind` in CEL):
 - every device: `vendor`, `kind` (gpu, mig, xpu, dcu, npu), `product`, `model` (`h100`),
   `id` (the agent's device id, as in metrics and the device plugin), `index` (int), and where
-  known `uuid`, `serial`, `numaNode` (int), `driverVersion` (version),
-  `resource.kubernetes.io/pciBusID` (the standard attribute);
+  known `uuid`, `serial`, `numaNode` (int), `driverVersion` (version), and the standard
+  attributes `resource.kubernetes.io/pciBusID` and `resource.kubernetes.io/numaNode` (KEP-6072,
+  GA in Kubernetes 1.37: one name for every driver, so a claim can keep devices of several
+  drivers on one NUMA node with `matchAttribute`);
 - NVIDIA GPUs: `architecture`, `computeCapability` (version `9.0.0`), `cudaDriverVersion`
   (version); MIG devices also `migProfile`, `parentUUID`, `parentIndex`, `gpuInstance`,
   `computeInstance` (ints); Hygon DCUs `computeUnits` (int).
@@ -64,6 +66,7 @@ HealthSource = Snapshot | tuple[Inventory, Mapping[str, str] | Collection[str]]
 
 UNHEALTHY_TAINT_KEY = f"{names.DOMAIN}/unhealthy"
 PCI_BUS_ID = "resource.kubernetes.io/pciBusID"
+NUMA_NODE = "resource.kubernetes.io/numaNode"
 # The API allows 128 devices in a slice, but only 64 once any of them has a taint or consumes
 # counters. Always 64: a device turning unhealthy must not re-split the pool.
 MAX_DEVICES_PER_SLICE = 64
@@ -345,6 +348,7 @@ def _attributes(device: Device, context: _Context) -> dict[str, dict[str, Any]]:
         "uuid": string_value(uuid) if uuid else None,
         "serial": optional_string_value(facts.get("serial") or facts.get("serial_number")),
         "numaNode": {"int": device.numa_node} if _known(device.numa_node) else None,
+        NUMA_NODE: {"int": device.numa_node} if _known(device.numa_node) else None,
         PCI_BUS_ID: optional_string_value(device.pci_bus_id),
         "driverVersion": version_value(context.driver_version),
         "architecture": optional_string_value(facts.get("architecture")),

@@ -543,6 +543,32 @@ def test_the_scheduler_allocates_whole_gpus_but_not_a_tainted_one(
     )
 
 
+def test_the_scheduler_keeps_a_claim_on_one_numa_node_by_the_standard_attribute(
+    agent: Agent, claims: Claims, simulated: dict[str, Simulated]
+) -> None:
+    h100 = simulated["dgx-h100"]  # GPUs 0-3 on NUMA node 0, 4-7 on node 1
+    SlicePublisher(agent.rest, agent.node).sync(h100.slices(agent.node))
+    claims.request("first", {"deviceClassName": "gpu.nvidia.edl.io", "count": 3})
+    taken = {r["device"] for r in claims.allocated("first")}
+
+    spec = {
+        "devices": {
+            "requests": [
+                {"name": "devices", "exactly": {"deviceClassName": "gpu.nvidia.edl.io", "count": 4}}
+            ],
+            "constraints": [{"matchAttribute": "resource.kubernetes.io/numaNode"}],
+        }
+    }
+    claims.make("numa", spec)
+    results = claims.allocated("numa")
+
+    numa = {d.id: d.numa_node for d in h100.inventory.devices}
+    chosen = sorted(r["device"] for r in results)
+    assert len(chosen) == 4
+    assert not taken & set(chosen)
+    assert len({numa[h100.device_id(int(name.split("-")[1]))] for name in chosen}) == 1
+
+
 def test_the_scheduler_allocates_mig_devices_of_one_gpu(
     agent: Agent, claims: Claims, simulated: dict[str, Simulated]
 ) -> None:
