@@ -569,6 +569,47 @@ def test_the_scheduler_keeps_a_claim_on_one_numa_node_by_the_standard_attribute(
     assert len({numa[h100.device_id(int(name.split("-")[1]))] for name in chosen}) == 1
 
 
+def test_a_plain_extended_resource_request_is_served_through_dra_on_a_dra_only_node(
+    agent: Agent, claims: Claims, k8s: KwokCluster, simulated: dict[str, Simulated]
+) -> None:
+    """KEP-5004: the DeviceClass names `nvidia.com/gpu`; a node that does not offer it the
+    device-plugin way (no such allocatable) serves `nvidia.com/gpu: 2` from its slices."""
+    node = k8s.create_gpu_node(gpus=0, gpu_resource="edl.test/nothing").metadata.name
+    assert "nvidia.com/gpu" not in (k8s.core.read_node(node).status.allocatable or {})
+    h100 = simulated["dgx-h100"]
+    publisher = SlicePublisher(KubeDraApi(claims.admin), node)  # an admin's: another node's
+    publisher.sync(h100.slices(node))
+    try:
+        pod = {
+            "metadata": {"name": "plain"},
+            "spec": {
+                "nodeSelector": {"kubernetes.io/hostname": node},
+                "tolerations": [{"key": "node.kubernetes.io/not-ready", "operator": "Exists"}],
+                "containers": [{
+                    "name": "main", "image": "registry.invalid/edl/worker:test",
+                    "resources": {"limits": {"nvidia.com/gpu": "2"}},
+                }],
+            },
+        }  # fmt: skip
+        claims.admin.request("POST", f"/api/v1/namespaces/{k8s.namespace}/pods", pod)
+        bound = wait_for(
+            "pod plain bound with its extended-resource claim",
+            lambda: k8s.api.sanitize_for_serialization(k8s.read_pod("plain")),
+            lambda p: (
+                p["spec"].get("nodeName") == node
+                and (p["status"].get("extendedResourceClaimStatus") or {}).get("resourceClaimName")
+            ),
+            timeout=60,
+        )
+        name = bound["status"]["extendedResourceClaimStatus"]["resourceClaimName"]
+        claim = claims.admin.request("GET", claims.path(name))
+        results = claim["status"]["allocation"]["devices"]["results"]
+        assert len(results) == 2
+        assert {(r["driver"], r["pool"]) for r in results} == {(NVIDIA, node)}
+    finally:
+        publisher.remove_all()
+
+
 def test_the_scheduler_allocates_mig_devices_of_one_gpu(
     agent: Agent, claims: Claims, simulated: dict[str, Simulated]
 ) -> None:
