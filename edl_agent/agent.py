@@ -345,7 +345,22 @@ class Agent:
             return False, "NVML event loop not running"
         if not self.round.served.is_set():
             return False, "starting"
-        return self.supervisor.ready()
+        ready, detail = self.supervisor.ready()
+        held = self._held_in_memory()
+        if ready and held:  # still serving: said, not failed (a full disk is no reason to stop)
+            return True, f"ok, but the disk refuses writes: {held} kept in memory only"
+        return ready, detail
+
+    def _held_in_memory(self) -> str:
+        """What the state directory does not hold now, in words ("" when it holds everything)."""
+        held = []
+        outbox = self.faults.outbox
+        in_memory = outbox.counts().in_memory if outbox is not None else 0
+        if in_memory:
+            held.append(f"{in_memory} fault(s) for the restarter")
+        if self.writer is not None and self.writer.unsaved:
+            held.append("the quarantine")
+        return " and ".join(held)
 
     def agent_counts(self) -> AgentCounts:
         plugin, dra, outbox = self.plugins.counters, self.dra, self.faults.outbox

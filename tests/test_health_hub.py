@@ -17,6 +17,7 @@ from edl_agent.health.quarantine_store import Quarantine, QuarantineStore
 from edl_agent.health.quarantine_writer import QuarantineWriter
 from edl_agent.health.quiet_periods import QuietPeriods
 from edl_agent.health.state import DeviceState
+from tests.waiting import wait_until
 
 GPUS = tuple(Device(Vendor.NVIDIA, "gpu", i, f"GPU-{i}", "H100", 81559) for i in range(2))
 INVENTORY = Inventory("node-a", (VendorReport(Vendor.NVIDIA, GPUS),), ())
@@ -141,3 +142,22 @@ def test_a_quarantine_that_cannot_be_saved_is_kept_and_saved_once_the_disk_works
     assert loaded is not None
     assert set(loaded.conditions) == {"GPU-0"}
     assert "quarantine saved again" in capsys.readouterr().out
+
+
+def test_readyz_says_what_the_disk_does_not_hold_and_stays_ready(tmp_path: Path) -> None:
+    from tests.test_health_agent import gpu_ids
+    from tests.test_plugin import running_node
+
+    with running_node(tmp_path, "dgx-h100") as node:
+        wait_until(lambda: node.agent.ready() == (True, "ok"), 30, what="the agent ready")
+        writer = node.agent.writer
+        assert writer is not None
+        blocked = tmp_path / "blocked"
+        blocked.write_text("")
+        writer.store.path = blocked / "quarantine.json"  # the disk refuses from now on
+        node.agent.report(xid(gpu_ids(node)[0], 79))
+        wait_until(lambda: writer.unsaved, 10, what="a failed save")
+
+        ready, detail = node.agent.ready()
+        assert ready
+        assert detail == "ok, but the disk refuses writes: the quarantine kept in memory only"
