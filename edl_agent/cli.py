@@ -254,6 +254,14 @@ def node_settings(args: argparse.Namespace) -> Iterator[Settings]:
     if args.simulate is None:
         settings = settings_from_args(args)
         check_host_root(settings.host_root)
+        name = sim_commands_module.simulated_profile(Path(settings.host_root))
+        if name is not None:  # a tree `simulate build` made: nothing of the host is touched
+            from edl_agent.sim.profile import load_profile, profile_names
+
+            config = load_profile(name).config if name in profile_names() else {}
+            settings = settings_from_args(
+                args, defaults=_simulated_defaults(settings.host_root, config)
+            )
         yield settings
         return
     from edl_agent.sim.profile import load_profile
@@ -262,24 +270,31 @@ def node_settings(args: argparse.Namespace) -> Iterator[Settings]:
     recording = Path(args.simulate)
     name = recording.name if is_recording(recording) else load_profile(args.simulate).name
     with tempfile.TemporaryDirectory(prefix=f"edl-sim-{name}-") as tmp:
-        # A simulated host has its own kubelet directories unless they are configured.
-        defaults = {} if is_recording(recording) else {**load_profile(name).config}
-        plugin_defaults = {"kubelet_dir": f"{tmp}{KUBELET_DIR}", **defaults.get("plugin", {})}
-        defaults["plugin"] = plugin_defaults
-        defaults.setdefault("pod_resources_socket", f"{tmp}{POD_RESOURCES_SOCKET}")
-        defaults["faults"] = {"state_dir": f"{tmp}{STATE_DIR}", **defaults.get("faults", {})}
-        defaults["dra"] = {
-            "plugins_registry_dir": f"{tmp}{DraSettings.plugins_registry_dir}",
-            "cdi_dir": f"{tmp}{DraSettings.cdi_dir}",
-            **defaults.get("dra", {}),
-        }
-        settings = settings_from_args(args, defaults=defaults, host_root=tmp)
+        config = {} if is_recording(recording) else load_profile(name).config
+        settings = settings_from_args(
+            args, defaults=_simulated_defaults(tmp, config), host_root=tmp
+        )
         structlog.get_logger().info("building simulated node", profile=name, root=tmp)
         if is_recording(recording):
             sim_commands_module.replay_tree(recording, Path(tmp))
         else:
             sim_commands_module.build_tree(name, Path(tmp))
         yield settings
+
+
+def _simulated_defaults(root: str, config: Mapping[str, Any]) -> dict[str, Any]:
+    """A simulated host's settings: its profile's, and kubelet's directories, the pod-resources
+    socket and the agent's state inside the tree, unless configured."""
+    defaults: dict[str, Any] = {**config}
+    defaults["plugin"] = {"kubelet_dir": f"{root}{KUBELET_DIR}", **defaults.get("plugin", {})}
+    defaults.setdefault("pod_resources_socket", f"{root}{POD_RESOURCES_SOCKET}")
+    defaults["faults"] = {"state_dir": f"{root}{STATE_DIR}", **defaults.get("faults", {})}
+    defaults["dra"] = {
+        "plugins_registry_dir": f"{root}{DraSettings.plugins_registry_dir}",
+        "cdi_dir": f"{root}{DraSettings.cdi_dir}",
+        **defaults.get("dra", {}),
+    }
+    return defaults
 
 
 def _discover(args: argparse.Namespace) -> int:

@@ -61,14 +61,29 @@ def add_parsers(
     inject_cli.add_parser(sim_commands)
 
 
+SIMULATED_MARKER = ".edl-simulated"
+
+
+def simulated_profile(root: Path) -> str | None:
+    """The profile (or recording) a tree built by `simulate build` or `replay` holds; None for a
+    real host root."""
+    try:
+        return (root / SIMULATED_MARKER).read_text().strip()
+    except OSError:
+        return None
+
+
 def build_tree(name: str, directory: Path) -> None:
-    """The tree of profile `name` in `directory`; UsageError (one line) when it cannot be."""
+    """The tree of profile `name` in `directory`, marked as simulated (`SIMULATED_MARKER`, so
+    that `run --host-root` keeps its state inside it); UsageError (one line) when it cannot
+    be."""
     from edl_agent.sim.fake_nvml_build import FakeNvmlBuildError
     from edl_agent.sim.profile import load_profile
     from edl_agent.sim.tree import build_tree as write_tree
 
     try:
         write_tree(load_profile(name), directory)
+        (directory / SIMULATED_MARKER).write_text(name + "\n")
     except FakeNvmlBuildError as exc:
         raise UsageError(str(exc)) from None
     except OSError as exc:
@@ -83,6 +98,7 @@ def replay_tree(recording: Path, directory: Path) -> None:
 
     try:
         replay(recording, directory)
+        (directory / SIMULATED_MARKER).write_text(recording.name + "\n")
     except FakeNvmlBuildError as exc:
         raise UsageError(str(exc)) from None
     except OSError as exc:
