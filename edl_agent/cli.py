@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -212,6 +213,40 @@ def _node_options() -> argparse.ArgumentParser:
     return common
 
 
+def absolute_paths(settings: Settings) -> Settings:
+    """Every path setting made absolute (against the working directory): a relative one would
+    mean something else to each part that joins or binds it, and gRPC takes `unix://kubelet/x`
+    for a host name."""
+
+    def absolute(path: str) -> str:
+        return path if not path or Path(path).is_absolute() else str(Path(path).resolve())
+
+    return dataclasses.replace(
+        settings,
+        host_root=absolute(settings.host_root),
+        pod_resources_socket=absolute(settings.pod_resources_socket),
+        plugin=dataclasses.replace(
+            settings.plugin, kubelet_dir=absolute(settings.plugin.kubelet_dir)
+        ),
+        faults=dataclasses.replace(
+            settings.faults,
+            state_dir=absolute(settings.faults.state_dir),
+            token_file=absolute(settings.faults.token_file),
+            ca_file=absolute(settings.faults.ca_file),
+        ),
+        node=dataclasses.replace(
+            settings.node,
+            kubeconfig=absolute(settings.node.kubeconfig),
+            features_file=absolute(settings.node.features_file),
+        ),
+        dra=dataclasses.replace(
+            settings.dra,
+            plugins_registry_dir=absolute(settings.dra.plugins_registry_dir),
+            cdi_dir=absolute(settings.dra.cdi_dir),
+        ),
+    )
+
+
 def settings_from_args(
     args: argparse.Namespace,
     *,
@@ -245,7 +280,7 @@ def settings_from_args(
         defaults=defaults,
     )
     log.configure(settings.log_level, settings.log_format)
-    return settings
+    return absolute_paths(settings)
 
 
 @contextlib.contextmanager
@@ -259,9 +294,8 @@ def node_settings(args: argparse.Namespace) -> Iterator[Settings]:
             from edl_agent.sim.profile import load_profile, profile_names
 
             config = load_profile(name).config if name in profile_names() else {}
-            settings = settings_from_args(
-                args, defaults=_simulated_defaults(settings.host_root, config)
-            )
+            defaults = _simulated_defaults(settings.host_root, config)  # absolute already
+            settings = settings_from_args(args, defaults=defaults)
         yield settings
         return
     from edl_agent.sim.profile import load_profile

@@ -59,3 +59,15 @@ def test_a_real_host_root_keeps_the_hosts_paths(tmp_path: Path) -> None:
     faults = resolved("--host-root", str(tmp_path))["faults"]
     assert isinstance(faults, dict)
     assert faults["state_dir"] == "/var/lib/edl-agent"
+
+
+def test_relative_paths_are_made_absolute(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "edl_agent.cli", "config", "--set", "plugin.kubelet_dir=kubelet",
+         "--set", "faults.state_dir=state"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    settings = json.loads(done.stdout)
+    assert settings["plugin"]["kubelet_dir"] == str(tmp_path.resolve() / "kubelet")
+    assert settings["faults"]["state_dir"] == str(tmp_path.resolve() / "state")
