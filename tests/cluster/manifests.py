@@ -28,6 +28,14 @@ HELM_LABELS = frozenset(
     }
 )
 KEEP = "helm.sh/resource-policy"
+# `helm template` arguments for a cluster that serves the Prometheus Operator's kinds: the chart
+# renders its ServiceMonitors and PrometheusRule only there (`helm install` asks the API server).
+WITH_PROMETHEUS_OPERATOR = (
+    "--api-versions",
+    "monitoring.coreos.com/v1/ServiceMonitor",
+    "--api-versions",
+    "monitoring.coreos.com/v1/PrometheusRule",
+)
 
 Key = tuple[str, str | None, str]
 Doc = dict[str, Any]

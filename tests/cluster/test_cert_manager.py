@@ -28,6 +28,7 @@ from manifests import (
     CERT_MANAGER,
     DEPLOY,
     NAMESPACE,
+    WITH_PROMETHEUS_OPERATOR,
     Doc,
     Key,
     as_kustomized,
@@ -283,7 +284,13 @@ def test_the_chart_renders_the_same_objects() -> None:
     kustomize = by_key(kustomized(CERT_MANAGER))
 
     chart = by_key(
-        rendered("--set", "intakeTLS.certManager.enabled=true", "--set", "namespace.create=true")
+        rendered(
+            *WITH_PROMETHEUS_OPERATOR,
+            "--set",
+            "intakeTLS.certManager.enabled=true",
+            "--set",
+            "namespace.create=true",
+        )
     )
 
     assert chart.keys() == kustomize.keys()

@@ -1,15 +1,20 @@
 """deploy/helm/edl-agent, the Helm chart, against deploy/daemonset and the real API server.
 
 - `helm lint --strict` passes, with the defaults and with every option on (ci/all-on-values.yaml).
-- With the defaults, `helm template -n edl-system` renders the objects of
-  `kubectl kustomize deploy/daemonset`: the same kinds, namespaces and names, the same RBAC rules,
-  container flags and ports; object for object the same, but for Helm's labels (and the
-  Namespace, which Helm leaves to `--create-namespace` unless namespace.create is set).
+- With the defaults, `helm template -n edl-system` for a cluster that serves the Prometheus
+  Operator's kinds (--api-versions) renders the objects of `kubectl kustomize deploy/daemonset`:
+  the same kinds, namespaces and names, the same RBAC rules, container flags and ports; object for
+  object the same, but for Helm's labels (and the Namespace, which Helm leaves to
+  `--create-namespace` unless namespace.create is set).
+- The ServiceMonitors and the PrometheusRule follow the cluster by default (`auto`): each only
+  where its kind is served; `true` renders them regardless, `false` never.
 - Those objects pass a server-side apply; every option on passes a server-side dry run (its
   privileged DaemonSet must not replace the one test_deploy.py shares), and each value lands
   where it should (read back through the agent's and the restarter's own flag parsers).
-- Monitoring objects go with serviceMonitor/prometheusRule off; another release namespace
-  leaves no trace of edl-system; the schema refuses typos and the reserved `dra` block.
+- Another release namespace leaves no trace of edl-system; the schema refuses typos and the
+  reserved `dra` block.
+
+test_helm_release.py installs, upgrades and uninstalls the chart with helm itself.
 
 helm is built by scripts/k8s-binaries (helm.sh/helm/v3 from the Go module proxy, into
 .cache/k8s/). The objects shared with test_deploy.py (namespace, CRD, RBAC, admission policy) are
@@ -33,6 +38,7 @@ from manifests import (
     KEEP,
     NAMESPACE,
     RELEASE,
+    WITH_PROMETHEUS_OPERATOR,
     Key,
     as_kustomized,
     by_key,
@@ -54,6 +60,15 @@ from edl_agent.restarter import cli as restarter_cli
 
 ALL_ON = CHART / "ci" / "all-on-values.yaml"
 FIELD_MANAGER = "edl-test-helm"
+SERVICE_MONITOR_API = "monitoring.coreos.com/v1/ServiceMonitor"
+PROMETHEUS_RULE_API = "monitoring.coreos.com/v1/PrometheusRule"
+MONITORING = frozenset(
+    {
+        ("ServiceMonitor", NAMESPACE, "edl-agent"),
+        ("ServiceMonitor", NAMESPACE, "edl-restarter"),
+        ("PrometheusRule", NAMESPACE, "edl-agent"),
+    }
+)
 
 
 def apply_lines(result: subprocess.CompletedProcess[str]) -> list[str]:
@@ -81,6 +96,7 @@ def test_helm_lint_passes(values: list[str]) -> None:
         ("restarter.replicas=0", "/restarter/replicas"),
         ("intakeTLS.certManager.issuerRef.name=my-ca", "missing property 'kind'"),
         ("serviceMonitor.interval=30", "/serviceMonitor/interval"),
+        ("prometheusRule.enabled=yes", "/prometheusRule/enabled"),
     ],
 )
 def test_the_schema_refuses_what_the_chart_cannot_honour(setting: str, refusal: str) -> None:
@@ -96,19 +112,24 @@ def test_the_schema_refuses_what_the_chart_cannot_honour(setting: str, refusal: 
 def test_the_defaults_render_the_kustomizations_kinds_namespaces_and_names() -> None:
     kustomize = {key(doc) for doc in kustomized(DEPLOY)}
 
-    chart = {key(doc) for doc in rendered()}
-    with_namespace = {key(doc) for doc in rendered("--set", "namespace.create=true")}
+    chart = {key(doc) for doc in rendered(*WITH_PROMETHEUS_OPERATOR)}
+    with_namespace = {
+        key(doc) for doc in rendered(*WITH_PROMETHEUS_OPERATOR, "--set", "namespace.create=true")
+    }
+    without_operator = {key(doc) for doc in rendered()}
 
     # Helm makes the release namespace itself (--create-namespace) and refuses a chart that
     # renders it again; namespace.create renders it for tools that apply rendered manifests.
     assert kustomize - chart == {("Namespace", None, NAMESPACE)}
     assert chart <= kustomize
     assert with_namespace == kustomize
+    assert chart - without_operator == MONITORING
+    assert without_operator <= chart
 
 
 def test_every_object_is_the_kustomizations_but_for_helms_labels() -> None:
     kustomize = by_key(kustomized(DEPLOY))
-    chart = by_key(rendered("--set", "namespace.create=true"))
+    chart = by_key(rendered(*WITH_PROMETHEUS_OPERATOR, "--set", "namespace.create=true"))
 
     assert chart.keys() == kustomize.keys()
     for name in sorted(kustomize, key=str):
@@ -153,7 +174,7 @@ def test_the_containers_flags_ports_and_mounts_are_the_kustomizations(kind: str,
 
 def test_the_services_and_monitors_are_the_kustomizations() -> None:
     kustomize = kustomized(DEPLOY)
-    chart = rendered()
+    chart = rendered(*WITH_PROMETHEUS_OPERATOR)
 
     for kind in ("Service", "ServiceMonitor", "PrometheusRule"):
         specs = {key(doc): doc["spec"] for doc in kustomize if doc["kind"] == kind}
@@ -185,32 +206,62 @@ def test_every_object_carries_helms_labels_and_pods_only_their_selectors() -> No
 
 
 @pytest.mark.parametrize(
-    ("setting", "gone"),
+    ("args", "monitoring"),
     [
+        ((), set()),
+        (WITH_PROMETHEUS_OPERATOR, MONITORING),
         (
-            "serviceMonitor.enabled=false",
-            {
-                ("ServiceMonitor", NAMESPACE, "edl-agent"),
-                ("ServiceMonitor", NAMESPACE, "edl-restarter"),
-            },
+            ("--api-versions", SERVICE_MONITOR_API),
+            {key for key in MONITORING if key[0] == "ServiceMonitor"},
         ),
-        ("prometheusRule.enabled=false", {("PrometheusRule", NAMESPACE, "edl-agent")}),
+        (
+            ("--api-versions", PROMETHEUS_RULE_API),
+            {("PrometheusRule", NAMESPACE, "edl-agent")},
+        ),
+        (("--set", "serviceMonitor.enabled=true,prometheusRule.enabled=true"), MONITORING),
+        (
+            (*WITH_PROMETHEUS_OPERATOR, "--set", "serviceMonitor.enabled=false"),
+            {("PrometheusRule", NAMESPACE, "edl-agent")},
+        ),
+        (
+            (*WITH_PROMETHEUS_OPERATOR, "--set", "prometheusRule.enabled=false"),
+            {key for key in MONITORING if key[0] == "ServiceMonitor"},
+        ),
+        (("--set", "serviceMonitor.enabled=auto,prometheusRule.enabled=auto"), set()),
+    ],
+    ids=[
+        "no-operator",
+        "operator",
+        "servicemonitor-kind-only",
+        "prometheusrule-kind-only",
+        "forced-on",
+        "servicemonitors-off",
+        "rule-off",
+        "auto-named",
     ],
 )
-def test_monitoring_objects_can_be_turned_off(setting: str, gone: set[Key]) -> None:
-    everything = {key(doc) for doc in rendered()}
+def test_monitoring_objects_follow_the_cluster_unless_set(
+    args: tuple[str, ...], monitoring: set[Key]
+) -> None:
+    """`auto` (the default) renders each Prometheus Operator object where the cluster serves its
+    kind: `helm install` asks the API server, `helm template` takes --api-versions. true and
+    false decide alone; nothing else of the chart changes."""
+    everything_else = {key(doc) for doc in rendered()}
 
-    remaining = {key(doc) for doc in rendered("--set", setting)}
+    docs = {key(doc) for doc in rendered(*args)}
 
-    assert everything - remaining == gone
-    assert remaining <= everything
+    assert docs - everything_else == monitoring
+    assert everything_else <= docs
 
 
 def test_another_namespace_leaves_no_trace_of_edl_system() -> None:
-    text = helm("template", RELEASE, str(CHART), "--namespace", "ml-infra").stdout
+    text = helm(
+        "template", RELEASE, str(CHART), "--namespace", "ml-infra", *WITH_PROMETHEUS_OPERATOR
+    ).stdout
     docs = parsed(text)
 
     assert NAMESPACE not in text
+    assert ("PrometheusRule", "ml-infra", "edl-agent") in {key(doc) for doc in docs}
     namespaces = {doc["metadata"].get("namespace") for doc in docs}
     assert namespaces == {None, "ml-infra", "default"}
     assert {key(doc) for doc in docs if doc["metadata"].get("namespace") == "default"} == {
@@ -354,7 +405,7 @@ def applied_workloads(kubectl: Kubectl) -> Iterator[None]:
 def test_the_defaults_pass_a_server_side_apply(
     kubectl: Kubectl, monitoring_crds: None, applied_workloads: None, tmp_path: Path
 ) -> None:
-    docs = rendered("--set", "namespace.create=true")
+    docs = rendered(*WITH_PROMETHEUS_OPERATOR, "--set", "namespace.create=true")
     manifest = tmp_path / "chart.yaml"
     manifest.write_text(yaml.safe_dump_all(docs))
 

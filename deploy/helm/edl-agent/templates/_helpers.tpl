@@ -39,3 +39,20 @@ edl-restarter.{{ include "edl-agent.namespace" . }}.svc
 {{- define "edl-agent.trustSecret" -}}
 edl-restarter-trust
 {{- end }}
+
+{{/*
+Whether to render a Prometheus Operator object: "true", or "" for no. Called with
+(list ENABLED KIND $), ENABLED being serviceMonitor.enabled or prometheusRule.enabled: true
+renders it, false never, auto where the cluster serves monitoring.coreos.com/v1/KIND (what
+`helm install` and `helm upgrade` learn from the API server, and `helm template` from
+--api-versions only).
+*/}}
+{{- define "edl-agent.monitoring" -}}
+{{- $enabled := index . 0 | toString -}}
+{{- $api := printf "monitoring.coreos.com/v1/%s" (index . 1) -}}
+{{- if eq $enabled "true" -}}
+true
+{{- else if and (eq $enabled "auto") ((index . 2).Capabilities.APIVersions.Has $api) -}}
+true
+{{- end -}}
+{{- end }}
