@@ -47,6 +47,7 @@ BENCHMARKS = [
     ("polled", "polled_bench.py"),
     ("metrics", "metrics_bench.py"),
     ("restarter", "restarter_bench.py"),
+    ("intake_storm", "intake_storm.py"),
     ("dra", "dra_bench.py"),
     ("nvidia_peer", "nvidia_peer.py"),
     ("node_peer", "node_peer.py"),
