@@ -102,6 +102,7 @@ class Agent:
         settings, health, waker = self.settings, self.settings.health, self.stop.waker
         self.root = HostRoot.at(settings.host_root)
         self._log = structlog.get_logger()
+        self._failing: dict[str, str] = {}  # step → its error, while it fails
         started = time.monotonic()
         self.state = DeviceState(discover_node(settings))
         node = self.state.snapshot().inventory.node
@@ -343,8 +344,10 @@ class Agent:
             return False, f"health monitor failing ({reasons})"
         if self.nvml is not None and not self.nvml.ready:
             return False, "NVML event loop not running"
-        if not self.round.served.is_set():
-            return False, "starting"
+        starting = not self.round.served.is_set() and "plugins" not in self._failing
+        unserved = [] if starting else self.plugins.unserved()
+        if starting or unserved:
+            return False, f"no socket served for {', '.join(unserved)}" if unserved else "starting"
         ready, detail = self.supervisor.ready()
         held = self._held_in_memory()
         if ready and held:  # still serving: said, not failed (a full disk is no reason to stop)
@@ -396,8 +399,19 @@ class Agent:
         return claimable(snapshot.inventory, lambda v: serve(v.value) != "device-plugin")
 
     def _guarded(self, step: str, action: Callable[[], None]) -> None:
+        """Run one step of a round; a failure is logged when it starts or changes (with its
+        traceback the first time), not at every round while it lasts."""
         try:
             action()
-        except Exception:
+        except Exception as exc:
             self.step_failures[step] += 1
-            self._log.exception("agent step failed", step=step, failures=self.step_failures[step])
+            error = f"{type(exc).__name__}: {exc}"
+            previous = self._failing.get(step)
+            self._failing[step] = error
+            if previous is None:
+                self._log.exception("agent step failed", step=step)
+            elif previous != error:
+                self._log.error("agent step still fails", step=step, error=error)
+            return
+        if self._failing.pop(step, None) is not None:
+            self._log.info("agent step works again", step=step, failures=self.step_failures[step])

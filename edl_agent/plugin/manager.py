@@ -75,6 +75,12 @@ class PluginManager:
     def resources(self) -> list[str]:
         return sorted(self._plugins)
 
+    def unserved(self) -> list[str]:
+        """The node's resources without a socket served for them now (any thread)."""
+        wanted = set(self._state.snapshot().resources)
+        plugins = dict(self._plugins)
+        return sorted(r for r in wanted if r not in plugins or not plugins[r].server.serving())
+
     @property
     def registering(self) -> bool:
         """True while kubelet is there and some resource still waits to be registered (its
