@@ -36,8 +36,9 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-K8S_VERSION = "v1.36.3"
-# etcd v3.5.16 serves a v1.36 kube-apiserver (checked); kubeadm ships a 3.6 etcd with 1.36.
+K8S_VERSION = "v1.37.2"
+# etcd v3.5.16 serves a v1.37 kube-apiserver (the whole test suite passes on it; v1.36 too);
+# kubeadm 1.37 ships etcd 3.7.0 and the API server's client is v3.7.0.
 ETCD_VERSION = "v3.5.16"
 KWOK_VERSION = "v0.8.0"
 # helm lints and renders the chart in deploy/helm (tests/cluster/test_helm_chart.py). Helm 3: the

@@ -1,4 +1,4 @@
-"""Real kubelet nodes for tests: kubelet v1.36 with our fake container runtime, each in a private
+"""Real kubelet nodes for tests: kubelet v1.37 with our fake container runtime, each in a private
 mount namespace, registered with a test control plane (testcluster.py).
 
 Layout of one node (``NODE_DIR``, the host's view):

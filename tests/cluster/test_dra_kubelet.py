@@ -1,4 +1,4 @@
-"""DRA against the real kubelet and kube-scheduler v1.36: the agent publishes ResourceSlices,
+"""DRA against the real kubelet and kube-scheduler v1.37: the agent publishes ResourceSlices,
 registers its DRA plugin through kubelet's plugin watcher, the scheduler allocates claims from
 the slices (CEL selectors, consumable capacity, device taints), kubelet prepares them through our
 plugin and hands the CDI ids to the runtime, and device health reaches the pod's

@@ -1,4 +1,4 @@
-"""ResourceSlices of simulated nodes against the real API server (kube-apiserver 1.36), written
+"""ResourceSlices of simulated nodes against the real API server (kube-apiserver 1.37), written
 by dra.publisher with the agent's pod-bound token, bound by deploy/daemonset/agent-rbac.yaml's
 RBAC and admission policies, through both API clients (kube_rest and the kubernetes package).
 
