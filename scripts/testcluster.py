@@ -55,7 +55,7 @@ KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
 KWOK_NODE_ANNOTATION_VALUE = "fake"
 LOOPBACK = "127.0.0.1"
 
-# Stop order: clients first, etcd last.
+# Start order; stop() goes backwards, one at a time: clients first, etcd last.
 PROCESS_ORDER = ("etcd", "kube-apiserver", "kwok")
 CREATED = ("kubeconfig", "state.json", "pki", "etcd-data", "logs", "kwok-home")
 
@@ -544,14 +544,15 @@ def stop(directory: Path, *, timeout: float = 15.0) -> list[int]:
         return []
     pids = _state_pids(state)
     running = {name: pid for name, (pid, st) in pids.items() if pid_alive(pid, st)}
-    for name in reversed(PROCESS_ORDER):
-        if name in running:
-            _signal_group(running[name], signal.SIGTERM)
     deadline = time.monotonic() + timeout
+    # One after the other, clients first and etcd last: a kube-apiserver told to stop together
+    # with its etcd hangs in its shutdown until it is killed (measured with v1.36 and v1.37:
+    # over 30 s, against 0.3-1.4 s when etcd is still there).
     for name in reversed(PROCESS_ORDER):
         if name not in running:
             continue
         pid, start_time = pids[name]
+        _signal_group(pid, signal.SIGTERM)
         proc = plane._procs.get(name) if plane is not None else None
         while pid_alive(pid, start_time) and time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:
