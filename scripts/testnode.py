@@ -576,7 +576,8 @@ def _ready(body: dict[str, object]) -> bool:
 
 
 def _wait_ready(node: Node, timeout: float) -> None:
-    """Ready, then lift the not-ready taint as the node lifecycle controller would (none runs)."""
+    """Ready, then lift the not-ready taint as the node lifecycle controller would (the plane runs
+    none unless started with the controller manager, whose controller lifts it too)."""
     seen: dict[str, object] = {}
 
     def ready() -> bool:
@@ -670,7 +671,8 @@ def stop_node(
 
 
 def _delete_node_object(paths: Paths, state: dict[str, object]) -> None:
-    """No node lifecycle controller runs: a stopped kubelet's Node would stay Ready for ever."""
+    """A stopped kubelet's Node would stay Ready for ever (no node lifecycle controller runs), or
+    turn NotReady and stay (one runs): remove it and its Lease."""
     token = state.get("admin_token")
     if not isinstance(token, str):
         return
@@ -767,9 +769,12 @@ def _plane_credentials(directory: Path) -> tuple[str, str, Path]:
     return server, token, directory / "pki" / "ca.crt"
 
 
-def up(directory: Path, count: int, *, timeout: float = 60.0) -> list[Node]:
+def up(
+    directory: Path, count: int, *, timeout: float = 60.0, controller_manager: bool = False
+) -> list[Node]:
     """A control plane (detached) in ``directory`` and ``count`` kubelet nodes under
-    ``directory/nodes/``; returns once every node is Ready."""
+    ``directory/nodes/``; returns once every node is Ready. ``controller_manager``: the plane
+    runs kube-controller-manager too (testcluster.CONTROLLERS)."""
     problem = preflight()
     if problem is not None:
         raise NodeError(problem)
@@ -781,8 +786,13 @@ def up(directory: Path, count: int, *, timeout: float = 60.0) -> list[Node]:
             f"for {longest}; at most {MAX_NODE_DIR}): choose a shorter DIR, e.g. /tmp/edl-node"
         )
     began = time.monotonic()
-    _log(f"starting etcd, kube-apiserver and kwok {k8sbinaries.K8S_VERSION} in {directory}")
-    plane = testcluster.start(directory, attached=False, timeout=timeout)
+    parts = "etcd, kube-apiserver, kwok" + (
+        f" and {testcluster.CONTROLLER_MANAGER}" if controller_manager else ""
+    )
+    _log(f"starting {parts} ({k8sbinaries.K8S_VERSION}) in {directory}")
+    plane = testcluster.start(
+        directory, attached=False, timeout=timeout, controller_manager=controller_manager
+    )
     _log(f"control plane ready in {plane.startup_seconds:.1f}s at {plane.server}")
     nodes = []
     try:
@@ -860,6 +870,15 @@ def main(argv: list[str] | None = None) -> int:
         "--nodes", type=int, default=1, metavar="N", help="kubelet nodes (default 1)"
     )
     start.add_argument("--timeout", type=float, default=60.0, help="seconds for each step")
+    start.add_argument(
+        "--controller-manager",
+        action="store_true",
+        help=(
+            "also run kube-controller-manager (Jobs, Deployments, ResourceClaims, node lifecycle "
+            f"and taint eviction, garbage collection; a stopped kubelet's node turns NotReady "
+            f"after {testcluster.NODE_MONITOR_GRACE_PERIOD})"
+        ),
+    )
     stop = sub.add_parser("down", help="stop everything in DIR and remove its state (idempotent)")
     stop.add_argument("directory", type=Path, metavar="DIR")
     leave = sub.add_parser("exit", help="make a running container exit with CODE")
@@ -872,7 +891,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.action == "up":
             if args.nodes < 1:
                 parser.error("--nodes must be at least 1")
-            nodes = up(args.directory, args.nodes, timeout=args.timeout)
+            nodes = up(
+                args.directory,
+                args.nodes,
+                timeout=args.timeout,
+                controller_manager=args.controller_manager,
+            )
             _log(f"export KUBECONFIG={args.directory.resolve() / 'kubeconfig'}")
             for node in nodes:
                 print(node.paths.env_file)
