@@ -19,11 +19,11 @@ Kubelet changes the host it runs on: it sets three sysctls, creates /var/log/pod
 root dir rshared, runs mount(8) (which writes /run/mount), and always uses the compile-time
 device-plugin dir /var/lib/kubelet/device-plugins. So it runs under ``unshare --mount
 --propagation private``: overlays (upper dirs in NODE_DIR) over /var/lib and /run, binds of
-NODE_DIR/kubelet over /var/lib/kubelet and a scratch dir over /var/log, and files holding the
-values kubelet wants bound over those sysctls, so it reads them as already set and writes
-nothing. Every mount is ``mount -n`` and dies with the namespace, i.e. with kubelet. Kubelet
-creates no cgroup: QoS cgroups and node-allocatable enforcement are off, and the fake runtime
-runs no processes.
+NODE_DIR/kubelet over /var/lib/kubelet (made rshared, as kubelet wants it) and a scratch dir over
+/var/log, and files holding the values kubelet wants bound over those sysctls, so it reads them
+as already set and writes nothing. Every mount is ``mount -n`` and dies with the namespace, i.e.
+with kubelet. Kubelet creates no cgroup: QoS cgroups and node-allocatable enforcement are off,
+and the fake runtime runs no processes.
 
 The fake runtime (scripts/fakecri, built by k8s-binaries) answers kubelet's CRI calls, logs
 every CreateContainer and lets a test make a running container exit with a code
@@ -252,6 +252,10 @@ def namespace_script(paths: Paths, kubelet_argv: list[str]) -> str:
     lines += [
         "mkdir -p /var/lib/kubelet",
         f"mount -n --bind {shlex.quote(str(paths.kubelet))} /var/lib/kubelet",
+        # Shared already, so kubelet does not bind-mount its root dir over itself at start: that
+        # mount raced kubelet's socket listeners (a socket bound before it and renamed after it
+        # fails with EXDEV; kubelet v1.37 exited on its pod-resources socket so).
+        "mount -n --make-rshared /var/lib/kubelet",
         f"mount -n --bind {shlex.quote(str(mnt / 'varlog'))} /var/log",
     ]
     for key in SYSCTLS:
