@@ -509,7 +509,7 @@ def start_node(
         )
     except BaseException:
         with contextlib.suppress(Exception):
-            stop_node(root, delete_node=True, timeout=2.0)
+            stop_node(root, delete_node=True, timeout=2.0, procs=node._procs)  # reaped too
         raise
     return node
 
