@@ -413,7 +413,8 @@ def test_the_restarter_works_with_only_its_rbac(
         wait_gone(k8s, "w-0")
         k8s.make_node_not_ready(node)
         assert wait_pod(k8s, "w-1-r1", timeout=15).spec.affinity is not None
-        assert pod_or_none(k8s, "w-1") is None
+        # Force-deleted right after its replacement is made: waited for, not raced.
+        wait_for("w-1 gone", lambda: pod_or_none(k8s, "w-1"), lambda pod: pod is None, 5)
         job = wait_action(objects, k8s.namespace, "train", 2)
         assert job["restarts"] == 2
     finally:
