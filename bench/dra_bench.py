@@ -1,4 +1,4 @@
-"""edl-agent's Dynamic Resource Allocation (resource.k8s.io/v1) on a real kubelet v1.36 and
+"""edl-agent's Dynamic Resource Allocation (resource.k8s.io/v1) on a real kubelet v1.37 and
 kube-scheduler: how soon a node's devices are in ResourceSlices, how soon an XID taints one, and
 how long a claim takes from creation to a running pod.
 
@@ -7,7 +7,7 @@ how long a claim takes from creation to a running pod.
 One test control plane for the run (etcd + kube-apiserver, scripts/testcluster.py), a real
 kube-scheduler on it (tests/cluster/scheduler.py) and our DeviceClasses
 (deploy/dra/deviceclasses.yaml). Per simulated node profile, one real kubelet node
-(scripts/testnode.py: kubelet v1.36.3 with the fake container runtime in a private mount
+(scripts/testnode.py: kubelet v1.37.2 with the fake container runtime in a private mount
 namespace), served by `edl-agent run` as the DRA kubelet tests run it (NodeAgent of
 tests/cluster/kubelet_helpers.py with `--kubeconfig`, `dra.plugins_registry_dir` the node's
 plugins_registry, `nvidia.serve=dra`): a dgx-h100 (8 GPUs) and a dgx-a100-mig with

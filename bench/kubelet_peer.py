@@ -1,10 +1,10 @@
 """Side by side on a real kubelet: edl-agent and NVIDIA's k8s-device-plugin, each serving a real
-kubelet v1.36 node: registration, XID → the pod's allocatedResourcesStatus, kubelet restarts.
+kubelet v1.37 node: registration, XID → the pod's allocatedResourcesStatus, kubelet restarts.
 
     .venv/bin/python bench/kubelet_peer.py [--quick] [--build] [--rounds 2] [--restarts 5]
 
 One test control plane for the run (etcd + kube-apiserver, scripts/testcluster.py). Per round and
-per side, a fresh kubelet node (scripts/testnode.py: kubelet v1.36.3 with the fake container
+per side, a fresh kubelet node (scripts/testnode.py: kubelet v1.37.2 with the fake container
 runtime in a private mount namespace, feature gate ResourceHealthStatus on, node status every
 1 s) and a fresh simulated dgx-h100 (8 GPUs) for the plugin:
 
@@ -101,7 +101,8 @@ STEP_S = 60.0  # generous: kubelet, the API server and etcd share 2 cores with t
 POLL_S = 0.02
 PHASE_S = 1.0  # kubelet's nodeStatusUpdateFrequency and PLEG relist period
 SETTLE_S = 2.0  # after a kubelet restart, how long the API must not show allocatable 0
-# What kubelet v1.36 logs (--v=2) when a ListAndWatch answer of a plugin has been taken in.
+# What kubelet v1.37 logs (--v=2; v1.36 the same) when a ListAndWatch answer of a plugin has
+# been taken in.
 DEVICE_UPDATE = f'"Processed device updates for resource" resourceName="{RESOURCE}"'
 REGISTRATION = (
     f'"Got registration request from device plugin with resource" resourceName="{RESOURCE}"'

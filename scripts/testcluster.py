@@ -1,4 +1,5 @@
-"""A throwaway Kubernetes control plane for tests: etcd + kube-apiserver + kwok.
+"""A throwaway Kubernetes control plane for tests: etcd + kube-apiserver + kwok, and on request
+kube-controller-manager.
 
 Everything listens on free 127.0.0.1 ports and lives in one state directory:
 
@@ -8,6 +9,16 @@ Everything listens on free 127.0.0.1 ports and lives in one state directory:
     DIR/etcd-data/       etcd's data
     DIR/logs/*.log       one log per process
     DIR/kwok-home/       HOME for kwok, so it never reads ~/.kwok
+    DIR/kube-controller-manager.kubeconfig
+                         the controller manager's own credentials (a client certificate for
+                         system:kube-controller-manager), only with ``controller_manager=True``
+
+The controller manager is opt-in (``start(DIR, controller_manager=True)``, ``scripts/test-cluster
+up --controller-manager``): its garbage collector, Job, node-lifecycle and taint-eviction
+controllers would act on the objects that tests written for a plane without one create and
+clean up by hand. It runs the controllers in ``CONTROLLERS``, each with its own ServiceAccount's
+credentials as a cluster runs them, and marks a node whose kubelet stopped reporting NotReady
+after ``NODE_MONITOR_GRACE_PERIOD``.
 
 ``start(DIR)`` returns once ``/readyz`` answers; ``stop(DIR)`` ends the processes and removes
 what ``start`` created; ``restart_apiserver(plane)`` stops kube-apiserver alone and starts it
@@ -54,10 +65,35 @@ KWOK_POD_CIDR = "127.10.0.0/16"
 KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
 KWOK_NODE_ANNOTATION_VALUE = "fake"
 LOOPBACK = "127.0.0.1"
+CONTROLLER_MANAGER = "kube-controller-manager"
+# What the controller manager runs when asked for (kube-controller-manager --controllers).
+CONTROLLERS = (
+    "job-controller",
+    "deployment-controller",
+    "replicaset-controller",
+    "statefulset-controller",
+    "node-lifecycle-controller",
+    "taint-eviction-controller",
+    "pod-garbage-collector-controller",
+    "garbage-collector-controller",
+    "resourceclaim-controller",
+    "serviceaccount-token-controller",
+)
+# A node whose kubelet (or kwok's lease) stops reporting turns NotReady after this long (the
+# default is 50 s). kwok renews its nodes' Leases every 10 s, kubelet every 10 s.
+NODE_MONITOR_GRACE_PERIOD = "20s"
 
-# Stop order: clients first, etcd last.
-PROCESS_ORDER = ("etcd", "kube-apiserver", "kwok")
-CREATED = ("kubeconfig", "state.json", "pki", "etcd-data", "logs", "kwok-home")
+# Start order; stop() goes backwards, one at a time: clients first, etcd last.
+PROCESS_ORDER = ("etcd", "kube-apiserver", "kwok", CONTROLLER_MANAGER)
+CREATED = (
+    "kubeconfig",
+    "state.json",
+    "pki",
+    "etcd-data",
+    "logs",
+    "kwok-home",
+    f"{CONTROLLER_MANAGER}.kubeconfig",
+)
 
 PR_SET_PDEATHSIG = 1
 PORT_ATTEMPTS = 3
@@ -140,7 +176,7 @@ def _binary(name: str) -> Path:
         raise ControlPlaneError(
             f"{name} is not available (looked in {k8sbinaries.bin_dir()} and "
             "$KUBEBUILDER_ASSETS): run scripts/k8s-binaries first (the first build takes "
-            "about 8 minutes on 2 cores)"
+            "about 10 minutes on 2 cores)"
         )
     return path
 
@@ -206,7 +242,42 @@ def _make_pki(pki: Path) -> str:
     return token
 
 
-def _write_kubeconfig(path: Path, server: str, ca_file: Path, token: str) -> None:
+def _client_certificate(pki: Path, name: str, subject: str) -> tuple[Path, Path]:
+    """A client certificate ``pki/<name>.crt`` (key ``<name>.key``) for ``subject``, signed by the
+    test CA, which the API server takes as the user CN in the groups O."""
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    (pki / f"{name}.ext").write_text(
+        "extendedKeyUsage=clientAuth\nkeyUsage=critical,digitalSignature\n"
+    )
+    _openssl(
+        "req", "-new", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", subject,
+        cwd=pki,
+    )  # fmt: skip
+    _openssl(
+        "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+        "-CAcreateserial", "-out", f"{name}.crt", "-days", "365", "-extfile", f"{name}.ext",
+        cwd=pki,
+    )  # fmt: skip
+    return pki / f"{name}.crt", pki / f"{name}.key"
+
+
+def _write_kubeconfig(
+    path: Path,
+    server: str,
+    ca_file: Path,
+    token: str = "",
+    *,
+    user: str = ADMIN_USER,
+    certificate: tuple[Path, Path] | None = None,
+) -> None:
+    """A kubeconfig for ``server`` as ``user``: a bearer ``token``, or a client ``certificate``
+    (certificate and key files)."""
+    credentials: dict[str, str] = {"token": token}
+    if certificate is not None:
+        credentials = {
+            "client-certificate": str(certificate[0]),
+            "client-key": str(certificate[1]),
+        }
     config = {
         "apiVersion": "v1",
         "kind": "Config",
@@ -219,8 +290,8 @@ def _write_kubeconfig(path: Path, server: str, ca_file: Path, token: str) -> Non
                 },
             }
         ],
-        "users": [{"name": ADMIN_USER, "user": {"token": token}}],
-        "contexts": [{"name": "edl-test", "context": {"cluster": "edl-test", "user": ADMIN_USER}}],
+        "users": [{"name": user, "user": credentials}],
+        "contexts": [{"name": "edl-test", "context": {"cluster": "edl-test", "user": user}}],
         "current-context": "edl-test",
     }
     # JSON is valid YAML; kubectl and the Python client read it as a kubeconfig.
@@ -278,8 +349,8 @@ def _apiserver_argv(apiserver: Path, directory: Path, etcd_port: int, port: int)
         f"--service-account-key-file={pki / 'sa.pub'}",
         f"--service-account-signing-key-file={pki / 'sa.key'}",
         f"--service-cluster-ip-range={SERVICE_CIDR}",
-        # No controller-manager runs, so nothing would create the default ServiceAccounts
-        # that the ServiceAccount admission plugin insists on.
+        # Nothing creates the default ServiceAccounts that the ServiceAccount admission plugin
+        # insists on: the controller manager, where one runs, runs no serviceaccount controller.
         "--disable-admission-plugins=ServiceAccount",
         "--endpoint-reconciler-type=none",
         # Only ever dial kwok's (loopback) node address, never resolve node names.
@@ -299,6 +370,39 @@ def _kwok_argv(kwok: Path, directory: Path) -> list[str]:
         f"{KWOK_NODE_ANNOTATION}={KWOK_NODE_ANNOTATION_VALUE}",
         f"--node-ip={KWOK_NODE_IP}",
         f"--cidr={KWOK_POD_CIDR}",
+    ]
+
+
+def _controller_manager_argv(kcm: Path, directory: Path, port: int) -> list[str]:
+    pki = directory / "pki"
+    kubeconfig = directory / f"{CONTROLLER_MANAGER}.kubeconfig"
+    return [
+        str(kcm),
+        f"--kubeconfig={kubeconfig}",
+        # Its own endpoints (/healthz, /metrics) check callers' tokens and rights through the
+        # API server as it; client certificates against the test CA. The lookup of the
+        # API server's front-proxy CA is skipped: there is none, and the controller manager
+        # would log the missing one again and again.
+        f"--authentication-kubeconfig={kubeconfig}",
+        f"--authorization-kubeconfig={kubeconfig}",
+        "--authentication-skip-lookup=true",
+        f"--client-ca-file={pki / 'ca.crt'}",
+        f"--bind-address={LOOPBACK}",
+        f"--secure-port={port}",
+        f"--cert-dir={pki / CONTROLLER_MANAGER}",  # its self-signed serving certificate
+        # One instance, and no Lease left behind in kube-system.
+        "--leader-elect=false",
+        f"--controllers={','.join(CONTROLLERS)}",
+        # Each controller acts as its ServiceAccount (bootstrap RBAC system:controller:*), with
+        # tokens the controller manager requests for them, as clusters run it.
+        "--use-service-account-credentials=true",
+        # The serviceaccount-token controller signs legacy token Secrets with the key that
+        # kube-apiserver signs and checks service-account tokens with.
+        f"--service-account-private-key-file={pki / 'sa.key'}",
+        f"--root-ca-file={pki / 'ca.crt'}",
+        f"--node-monitor-grace-period={NODE_MONITOR_GRACE_PERIOD}",
+        "--profiling=false",
+        "--v=1",
     ]
 
 
@@ -346,11 +450,19 @@ def _spawn(
         )
 
 
-def _https_get(port: int, path: str, ca_file: Path, token: str) -> int:
-    context = ssl.create_default_context(cafile=str(ca_file))
+def _https_get(port: int, path: str, ca_file: Path | None, token: str) -> int:
+    """GET ``path`` on a loopback port; ``ca_file`` None: a self-signed serving certificate
+    (the controller manager's), not verified."""
+    if ca_file is None:
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    else:
+        context = ssl.create_default_context(cafile=str(ca_file))
     conn = http.client.HTTPSConnection(LOOPBACK, port, context=context, timeout=2)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        conn.request("GET", path, headers={"Authorization": f"Bearer {token}"})
+        conn.request("GET", path, headers=headers)
         response = conn.getresponse()
         response.read()
         return response.status
@@ -379,8 +491,15 @@ def _state_pids(state: dict[str, object]) -> dict[str, tuple[int, str | None]]:
     return pids
 
 
-def start(directory: Path, *, attached: bool = True, timeout: float = 60.0) -> ControlPlane:
-    """Start etcd, kube-apiserver and kwok with their state in ``directory``.
+def start(
+    directory: Path,
+    *,
+    attached: bool = True,
+    timeout: float = 60.0,
+    controller_manager: bool = False,
+) -> ControlPlane:
+    """Start etcd, kube-apiserver and kwok with their state in ``directory``; with
+    ``controller_manager`` also kube-controller-manager, healthy before this returns.
 
     ``attached=True`` ties the processes to the calling thread's process (PR_SET_PDEATHSIG) and
     to its exit (atexit); call it from the main thread. ``attached=False`` leaves them running
@@ -388,7 +507,8 @@ def start(directory: Path, *, attached: bool = True, timeout: float = 60.0) -> C
     """
     began = time.monotonic()
     directory = directory.resolve()
-    binaries = {name: _binary(name) for name in k8sbinaries.CONTROL_PLANE}
+    names = k8sbinaries.CONTROL_PLANE + ((CONTROLLER_MANAGER,) if controller_manager else ())
+    binaries = {name: _binary(name) for name in names}
     _stages()
     state = _read_state(directory)
     if state is not None:
@@ -427,6 +547,9 @@ def _start_once(
         if (directory / name).exists():
             raise ControlPlaneError(f"{directory / name} exists; use a fresh directory")
     etcd_port, peer_port, api_port = free_port(), free_port(), free_port()
+    ports = {"etcd": etcd_port, "etcd-peer": peer_port, "kube-apiserver": api_port}
+    if CONTROLLER_MANAGER in binaries:
+        ports[CONTROLLER_MANAGER] = free_port()
     server = f"https://{LOOPBACK}:{api_port}"
     kubeconfig = directory / "kubeconfig"
     procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -437,7 +560,7 @@ def _start_once(
         "attached": attached,
         "owner_pid": os.getpid(),
         "created_dir": created_dir,
-        "ports": {"etcd": etcd_port, "etcd-peer": peer_port, "kube-apiserver": api_port},
+        "ports": ports,
         "processes": processes,
     }
     # Written first, so that stop() can clean up whatever happens next.
@@ -468,8 +591,22 @@ def _start_once(
             ),
             "kwok": _kwok_argv(binaries["kwok"], directory),
         }
-        # All three at once: kube-apiserver retries etcd, kwok waits for the API itself.
-        for name in PROCESS_ORDER:
+        if CONTROLLER_MANAGER in binaries:
+            certificate = _client_certificate(
+                directory / "pki", CONTROLLER_MANAGER, f"/CN=system:{CONTROLLER_MANAGER}"
+            )
+            _write_kubeconfig(
+                directory / f"{CONTROLLER_MANAGER}.kubeconfig",
+                server,
+                plane.ca_file,
+                user=f"system:{CONTROLLER_MANAGER}",
+                certificate=certificate,
+            )
+            argvs[CONTROLLER_MANAGER] = _controller_manager_argv(
+                binaries[CONTROLLER_MANAGER], directory, ports[CONTROLLER_MANAGER]
+            )
+
+        def launch(name: str) -> None:
             proc = _spawn(name, argvs[name], directory, attached=attached, env=env)
             procs[name] = proc
             plane.pids[name] = proc.pid
@@ -480,6 +617,11 @@ def _start_once(
                 "log": str(directory / "logs" / f"{name}.log"),
             }
             (directory / "state.json").write_text(json.dumps(state, indent=2) + "\n")
+
+        # All three at once: kube-apiserver retries etcd, kwok waits for the API itself.
+        for name in PROCESS_ORDER:
+            if name in argvs and name != CONTROLLER_MANAGER:
+                launch(name)
         _wait_ready(
             port=api_port,
             ca_file=plane.ca_file,
@@ -488,6 +630,20 @@ def _start_once(
             directory=directory,
             timeout=timeout,
         )
+        if CONTROLLER_MANAGER in argvs:
+            # Only once ready: before the API server's bootstrap RBAC policy is in place the
+            # controller manager is refused what it reads at start (and exits).
+            launch(CONTROLLER_MANAGER)
+            _wait_ready(
+                port=ports[CONTROLLER_MANAGER],
+                ca_file=None,
+                token="",
+                procs=procs,
+                directory=directory,
+                timeout=timeout,
+                what=CONTROLLER_MANAGER,
+                path="/healthz",
+            )
     except BaseException:
         stop(directory, timeout=1.0)  # a half-started control plane needs no graceful exit
         raise
@@ -497,12 +653,16 @@ def _start_once(
 def _wait_ready(
     *,
     port: int,
-    ca_file: Path,
+    ca_file: Path | None,
     token: str,
     procs: dict[str, subprocess.Popen[bytes]],
     directory: Path,
     timeout: float,
+    what: str = "kube-apiserver",
+    path: str = "/readyz",
 ) -> None:
+    """Until ``what`` answers ``path`` with 200 on ``port``; ControlPlaneError (_PortTaken when a
+    port was taken) as soon as one of ``procs`` exits."""
     deadline = time.monotonic() + timeout
     last = "no answer yet"
     while time.monotonic() < deadline:
@@ -515,18 +675,17 @@ def _wait_ready(
                     f"last lines of {log}:\n{_tail(log)}"
                 )
         try:
-            status = _https_get(port, "/readyz", ca_file, token)
+            status = _https_get(port, path, ca_file, token)
         except (OSError, http.client.HTTPException) as exc:
             last = f"{type(exc).__name__}: {exc}"
         else:
             if status == http.client.OK:
                 return
-            last = f"/readyz answered HTTP {status}"
+            last = f"{path} answered HTTP {status}"
         time.sleep(0.1)
-    log = directory / "logs" / "kube-apiserver.log"
+    log = directory / "logs" / f"{what}.log"
     raise ControlPlaneError(
-        f"kube-apiserver not ready after {timeout:.0f}s ({last}); last lines of {log}:\n"
-        f"{_tail(log)}"
+        f"{what} not ready after {timeout:.0f}s ({last}); last lines of {log}:\n{_tail(log)}"
     )
 
 
@@ -544,14 +703,15 @@ def stop(directory: Path, *, timeout: float = 15.0) -> list[int]:
         return []
     pids = _state_pids(state)
     running = {name: pid for name, (pid, st) in pids.items() if pid_alive(pid, st)}
-    for name in reversed(PROCESS_ORDER):
-        if name in running:
-            _signal_group(running[name], signal.SIGTERM)
     deadline = time.monotonic() + timeout
+    # One after the other, clients first and etcd last: a kube-apiserver told to stop together
+    # with its etcd hangs in its shutdown until it is killed (measured with v1.36 and v1.37:
+    # over 30 s, against 0.3-1.4 s when etcd is still there).
     for name in reversed(PROCESS_ORDER):
         if name not in running:
             continue
         pid, start_time = pids[name]
+        _signal_group(pid, signal.SIGTERM)
         proc = plane._procs.get(name) if plane is not None else None
         while pid_alive(pid, start_time) and time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:
@@ -653,10 +813,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("action", choices=["up", "down"])
     parser.add_argument("directory", type=Path)
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for /readyz")
+    parser.add_argument(
+        "--controller-manager",
+        action="store_true",
+        help=(
+            f"up: also run kube-controller-manager ({', '.join(CONTROLLERS)}; nodes silent for "
+            f"{NODE_MONITOR_GRACE_PERIOD} turn NotReady)"
+        ),
+    )
     args = parser.parse_args(argv)
     try:
         if args.action == "up":
-            plane = start(args.directory, attached=False, timeout=args.timeout)
+            plane = start(
+                args.directory,
+                attached=False,
+                timeout=args.timeout,
+                controller_manager=args.controller_manager,
+            )
             pids = ", ".join(f"{name} {pid}" for name, pid in plane.pids.items())
             _log(f"ready in {plane.startup_seconds:.1f}s at {plane.server} (pids: {pids})")
             _log(f"export KUBECONFIG={plane.kubeconfig}")

@@ -1,4 +1,4 @@
-"""Real kubelet nodes for tests: kubelet v1.36 with our fake container runtime, each in a private
+"""Real kubelet nodes for tests: kubelet v1.37 with our fake container runtime, each in a private
 mount namespace, registered with a test control plane (testcluster.py).
 
 Layout of one node (``NODE_DIR``, the host's view):
@@ -19,11 +19,11 @@ Kubelet changes the host it runs on: it sets three sysctls, creates /var/log/pod
 root dir rshared, runs mount(8) (which writes /run/mount), and always uses the compile-time
 device-plugin dir /var/lib/kubelet/device-plugins. So it runs under ``unshare --mount
 --propagation private``: overlays (upper dirs in NODE_DIR) over /var/lib and /run, binds of
-NODE_DIR/kubelet over /var/lib/kubelet and a scratch dir over /var/log, and files holding the
-values kubelet wants bound over those sysctls, so it reads them as already set and writes
-nothing. Every mount is ``mount -n`` and dies with the namespace, i.e. with kubelet. Kubelet
-creates no cgroup: QoS cgroups and node-allocatable enforcement are off, and the fake runtime
-runs no processes.
+NODE_DIR/kubelet over /var/lib/kubelet (made rshared, as kubelet wants it) and a scratch dir over
+/var/log, and files holding the values kubelet wants bound over those sysctls, so it reads them
+as already set and writes nothing. Every mount is ``mount -n`` and dies with the namespace, i.e.
+with kubelet. Kubelet creates no cgroup: QoS cgroups and node-allocatable enforcement are off,
+and the fake runtime runs no processes.
 
 The fake runtime (scripts/fakecri, built by k8s-binaries) answers kubelet's CRI calls, logs
 every CreateContainer and lets a test make a running container exit with a code
@@ -252,6 +252,10 @@ def namespace_script(paths: Paths, kubelet_argv: list[str]) -> str:
     lines += [
         "mkdir -p /var/lib/kubelet",
         f"mount -n --bind {shlex.quote(str(paths.kubelet))} /var/lib/kubelet",
+        # Shared already, so kubelet does not bind-mount its root dir over itself at start: that
+        # mount raced kubelet's socket listeners (a socket bound before it and renamed after it
+        # fails with EXDEV; kubelet v1.37 exited on its pod-resources socket so).
+        "mount -n --make-rshared /var/lib/kubelet",
         f"mount -n --bind {shlex.quote(str(mnt / 'varlog'))} /var/log",
     ]
     for key in SYSCTLS:
@@ -505,7 +509,7 @@ def start_node(
         )
     except BaseException:
         with contextlib.suppress(Exception):
-            stop_node(root, delete_node=True, timeout=2.0)
+            stop_node(root, delete_node=True, timeout=2.0, procs=node._procs)  # reaped too
         raise
     return node
 
@@ -576,7 +580,8 @@ def _ready(body: dict[str, object]) -> bool:
 
 
 def _wait_ready(node: Node, timeout: float) -> None:
-    """Ready, then lift the not-ready taint as the node lifecycle controller would (none runs)."""
+    """Ready, then lift the not-ready taint as the node lifecycle controller would (the plane runs
+    none unless started with the controller manager, whose controller lifts it too)."""
     seen: dict[str, object] = {}
 
     def ready() -> bool:
@@ -670,7 +675,8 @@ def stop_node(
 
 
 def _delete_node_object(paths: Paths, state: dict[str, object]) -> None:
-    """No node lifecycle controller runs: a stopped kubelet's Node would stay Ready for ever."""
+    """A stopped kubelet's Node would stay Ready for ever (no node lifecycle controller runs), or
+    turn NotReady and stay (one runs): remove it and its Lease."""
     token = state.get("admin_token")
     if not isinstance(token, str):
         return
@@ -767,9 +773,12 @@ def _plane_credentials(directory: Path) -> tuple[str, str, Path]:
     return server, token, directory / "pki" / "ca.crt"
 
 
-def up(directory: Path, count: int, *, timeout: float = 60.0) -> list[Node]:
+def up(
+    directory: Path, count: int, *, timeout: float = 60.0, controller_manager: bool = False
+) -> list[Node]:
     """A control plane (detached) in ``directory`` and ``count`` kubelet nodes under
-    ``directory/nodes/``; returns once every node is Ready."""
+    ``directory/nodes/``; returns once every node is Ready. ``controller_manager``: the plane
+    runs kube-controller-manager too (testcluster.CONTROLLERS)."""
     problem = preflight()
     if problem is not None:
         raise NodeError(problem)
@@ -781,8 +790,13 @@ def up(directory: Path, count: int, *, timeout: float = 60.0) -> list[Node]:
             f"for {longest}; at most {MAX_NODE_DIR}): choose a shorter DIR, e.g. /tmp/edl-node"
         )
     began = time.monotonic()
-    _log(f"starting etcd, kube-apiserver and kwok {k8sbinaries.K8S_VERSION} in {directory}")
-    plane = testcluster.start(directory, attached=False, timeout=timeout)
+    parts = "etcd, kube-apiserver, kwok" + (
+        f" and {testcluster.CONTROLLER_MANAGER}" if controller_manager else ""
+    )
+    _log(f"starting {parts} ({k8sbinaries.K8S_VERSION}) in {directory}")
+    plane = testcluster.start(
+        directory, attached=False, timeout=timeout, controller_manager=controller_manager
+    )
     _log(f"control plane ready in {plane.startup_seconds:.1f}s at {plane.server}")
     nodes = []
     try:
@@ -860,6 +874,15 @@ def main(argv: list[str] | None = None) -> int:
         "--nodes", type=int, default=1, metavar="N", help="kubelet nodes (default 1)"
     )
     start.add_argument("--timeout", type=float, default=60.0, help="seconds for each step")
+    start.add_argument(
+        "--controller-manager",
+        action="store_true",
+        help=(
+            "also run kube-controller-manager (Jobs, Deployments, ResourceClaims, node lifecycle "
+            f"and taint eviction, garbage collection; a stopped kubelet's node turns NotReady "
+            f"after {testcluster.NODE_MONITOR_GRACE_PERIOD})"
+        ),
+    )
     stop = sub.add_parser("down", help="stop everything in DIR and remove its state (idempotent)")
     stop.add_argument("directory", type=Path, metavar="DIR")
     leave = sub.add_parser("exit", help="make a running container exit with CODE")
@@ -872,7 +895,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.action == "up":
             if args.nodes < 1:
                 parser.error("--nodes must be at least 1")
-            nodes = up(args.directory, args.nodes, timeout=args.timeout)
+            nodes = up(
+                args.directory,
+                args.nodes,
+                timeout=args.timeout,
+                controller_manager=args.controller_manager,
+            )
             _log(f"export KUBECONFIG={args.directory.resolve() / 'kubeconfig'}")
             for node in nodes:
                 print(node.paths.env_file)

@@ -386,8 +386,18 @@ class SimulatedAgent:
         )
         registered = len(self.kubelet.registrations)
         self.kubelet.stop()
-        shutil.rmtree(self.kubelet.directory)
-        self.kubelet.directory.write_text("not a directory\n")
+
+        def taken_by_a_file() -> bool:
+            # The agent makes the directory again when it sees it gone, maybe before the file
+            # is written: then remove it once more.
+            shutil.rmtree(self.kubelet.directory, ignore_errors=True)
+            try:
+                self.kubelet.directory.write_text("not a directory\n")
+            except IsADirectoryError:
+                return False
+            return True
+
+        wait_until(taken_by_a_file, what="kubelet's directory taken by a file", timeout=30)
         wait_until(
             lambda: 'edl_agent_step_failures_total{step="plugins"}' in self.exposition(),
             what="the agent's plugin step to fail",

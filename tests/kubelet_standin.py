@@ -2,7 +2,7 @@
 (delete every socket in the directory, then a new kubelet.sock), and a client for the plugins
 that registered — all over real unix sockets.
 
-The kubelet contract itself is proven against a real kubelet v1.36 (tests/cluster, marker
+The kubelet contract itself is proven against a real kubelet v1.37 (tests/cluster, marker
 `kubelet`). This stand-in stays for the tests that must run without root or a control plane
 (`-m "not cluster"`) and for the ones that need a kubelet that misbehaves on purpose: one that
 sends ids it never got (Allocate of unknown or unhealthy ids, GetPreferredAllocation with

@@ -81,7 +81,7 @@ def test_a_dra_vendor_registers_writes_cdi_and_streams_health_from_the_agent(
                 registration_pb2.InfoRequest(), timeout=5
             )
             assert (info.type, info.name, info.endpoint) == ("DRAPlugin", DRIVER, "")
-            assert list(info.supported_versions) == ["v1.DRAPlugin"]
+            assert list(info.supported_versions) == ["v1.DRAPlugin", "v1alpha1.DRAResourceHealth"]
             stream = health_grpc.DRAResourceHealthStub(channel).NodeWatchResources(  # type: ignore[no-untyped-call]
                 health_pb2.NodeWatchResourcesRequest(), timeout=20
             )

@@ -169,7 +169,8 @@ def test_registration_names_the_driver_and_the_dra_service(plugin: Plugin) -> No
     assert info.type == "DRAPlugin"
     assert info.name == DRIVER
     assert info.endpoint == ""  # kubelet then calls the DRA services on this socket
-    assert list(info.supported_versions) == ["v1.DRAPlugin"]
+    # The health service too: kubelet 1.37 opens the health stream only to a plugin naming it.
+    assert list(info.supported_versions) == ["v1.DRAPlugin", "v1alpha1.DRAResourceHealth"]
     assert not plugin.server.registered.is_set()
 
     refused = registration_pb2.RegistrationStatus(plugin_registered=False, error="no handler")

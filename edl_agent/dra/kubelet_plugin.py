@@ -31,8 +31,10 @@ from edl_agent.threaded_servicer import CallContext
 from edl_agent.unix_server import Service, UnixSocketServer
 
 PLUGIN_TYPE = "DRAPlugin"
-# "<proto package tail>.<service>" of the DRA services kubelet may choose from.
-SUPPORTED_SERVICES = ("v1.DRAPlugin",)
+# "<proto package tail>.<service>" of the DRA services kubelet may choose from. Kubelet 1.37 opens
+# the health stream only to a plugin that names its service here (1.34-1.36 opened it to every
+# plugin, and ignore the name); it takes v1alpha1 until 1.39 and prefers v1 where both are named.
+SUPPORTED_SERVICES = ("v1.DRAPlugin", "v1alpha1.DRAResourceHealth")
 MAX_HEALTH_MESSAGE = 1024
 # Kubelet's calls, its health stream and a second stream while kubelet replaces the first.
 MAX_WORKERS = 8

@@ -1,4 +1,5 @@
-"""Fixtures for tests that need a real control plane: etcd + kube-apiserver + kwok.
+"""Fixtures for tests that need a real control plane: etcd + kube-apiserver + kwok, and for the
+tests that need kube-controller-manager too, a second one with it.
 
 Tests under tests/cluster/ are marked ``cluster`` automatically; deselect them with
 ``pytest -m "not cluster"``. The binaries come from ``scripts/k8s-binaries`` (built once into
@@ -14,6 +15,14 @@ Fixtures:
   kubectl            session: `kubectl` against the control plane, failing the test on an error
   monitoring_crds    session: the Prometheus Operator's ServiceMonitor and PrometheusRule CRDs
   cert_manager_crds  session: cert-manager's Issuer and Certificate CRDs (kube_tools.py)
+
+With kube-controller-manager (testcluster.CONTROLLERS: Job, ReplicaSet, Deployment, StatefulSet,
+node lifecycle, taint eviction, pod GC, garbage collector, ResourceClaim, ServiceAccount tokens),
+a control plane of its own, so that its controllers never act on the session plane's objects:
+  k8s_managed_plane         module: the running control plane with the controller manager
+  k8s_managed_api_client    module: an admin ApiClient for it
+  k8s_managed               function: KwokCluster on it, bound to a fresh namespace, cleaned after
+  managed_kubelet_nodes     function: like kubelet_nodes, on that plane
 """
 
 from __future__ import annotations
@@ -69,6 +78,11 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             f"k8s control plane: ready {_startup['seconds']:.1f}s after start "
             f"(etcd + kube-apiserver + kwok from {k8sbinaries.bin_dir()})"
         )
+    if "managed seconds" in _startup:
+        terminalreporter.write_line(
+            f"k8s control plane with kube-controller-manager: healthy "
+            f"{_startup['managed seconds']:.1f}s after start"
+        )
 
 
 @pytest.fixture(scope="session")
@@ -79,7 +93,7 @@ def k8s_binaries() -> Path:
         pytest.fail(
             f"cluster tests need {', '.join(absent)} in {k8sbinaries.bin_dir()} (or etcd and "
             "kube-apiserver in $KUBEBUILDER_ASSETS). Run `scripts/k8s-binaries` once (the "
-            "first build takes about 8 minutes on 2 cores), or deselect these tests with "
+            "first build takes about 10 minutes on 2 cores), or deselect these tests with "
             "-m 'not cluster'.",
             pytrace=False,
         )
@@ -103,27 +117,84 @@ def k8s_control_plane(
     assert not left, f"control-plane processes {left} survived the session teardown"
 
 
+def _admin_client(plane: testcluster.ControlPlane) -> client.ApiClient:
+    config = client.Configuration()
+    config.host = plane.server
+    config.ssl_ca_cert = str(plane.ca_file)
+    config.api_key = {"authorization": plane.token}
+    config.api_key_prefix = {"authorization": "Bearer"}
+    return client.ApiClient(config)
+
+
 @pytest.fixture(scope="session")
 def k8s_api_client(k8s_control_plane: testcluster.ControlPlane) -> Iterator[client.ApiClient]:
-    config = client.Configuration()
-    config.host = k8s_control_plane.server
-    config.ssl_ca_cert = str(k8s_control_plane.ca_file)
-    config.api_key = {"authorization": k8s_control_plane.token}
-    config.api_key_prefix = {"authorization": "Bearer"}
-    api = client.ApiClient(config)
+    api = _admin_client(k8s_control_plane)
+    yield api
+    api.close()
+
+
+def _test_namespace(api: client.ApiClient, request: pytest.FixtureRequest) -> KwokCluster:
+    slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
+    namespace = f"t-{slug}-{secrets.token_hex(2)}"
+    client.CoreV1Api(api).create_namespace(
+        client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace))
+    )
+    return KwokCluster(api, namespace)
+
+
+@pytest.fixture
+def k8s(k8s_api_client: client.ApiClient, request: pytest.FixtureRequest) -> Iterator[KwokCluster]:
+    cluster = _test_namespace(k8s_api_client, request)
+    yield cluster
+    cluster.cleanup()
+
+
+@pytest.fixture(scope="module")
+def k8s_managed_plane(
+    k8s_binaries: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[testcluster.ControlPlane]:
+    """A control plane of its own with kube-controller-manager, for the tests of one module (it
+    costs a second etcd and kube-apiserver while they run)."""
+    absent = k8sbinaries.missing((testcluster.CONTROLLER_MANAGER,))
+    if absent:
+        pytest.fail(
+            f"{', '.join(absent)} missing in {k8sbinaries.bin_dir()}: run scripts/k8s-binaries",
+            pytrace=False,
+        )
+    directory = tmp_path_factory.mktemp("k8s-managed-plane")
+    try:
+        plane = testcluster.start(directory, attached=True, controller_manager=True)
+    except testcluster.ControlPlaneError as exc:
+        pytest.fail(
+            f"could not start a control plane with the controller manager: {exc}", pytrace=False
+        )
+    _startup["managed seconds"] = plane.startup_seconds
+    yield plane
+    pids = plane.stop()
+    left = [pid for pid in pids if testcluster.pid_alive(pid)]
+    assert not left, f"processes {left} of the plane with the controller manager survived it"
+
+
+@pytest.fixture(scope="module")
+def k8s_managed_api_client(
+    k8s_managed_plane: testcluster.ControlPlane,
+) -> Iterator[client.ApiClient]:
+    api = _admin_client(k8s_managed_plane)
     yield api
     api.close()
 
 
 @pytest.fixture
-def k8s(k8s_api_client: client.ApiClient, request: pytest.FixtureRequest) -> Iterator[KwokCluster]:
-    slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
-    namespace = f"t-{slug}-{secrets.token_hex(2)}"
-    client.CoreV1Api(k8s_api_client).create_namespace(
-        client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace))
-    )
-    cluster = KwokCluster(k8s_api_client, namespace)
+def k8s_managed(
+    k8s_managed_api_client: client.ApiClient, request: pytest.FixtureRequest
+) -> Iterator[KwokCluster]:
+    """KwokCluster on the plane with the controller manager. Its Jobs go first at cleanup (with
+    their pods, by the garbage collector), so that no controller recreates what is removed."""
+    cluster = _test_namespace(k8s_managed_api_client, request)
     yield cluster
+    client.BatchV1Api(k8s_managed_api_client).delete_collection_namespaced_job(
+        cluster.namespace, propagation_policy="Background"
+    )
     cluster.cleanup()
 
 
@@ -136,6 +207,16 @@ def kubelet_nodes(k8s_control_plane: testcluster.ControlPlane) -> Iterator[Start
     control plane. Each lives in a short directory under /tmp (its sockets must fit 107 bytes)
     that is removed afterwards with the node's processes, mounts and Node object. Fails, never
     skips, where kubelet nodes cannot run (not root, no unshare, no overlayfs)."""
+    yield from _kubelet_nodes(k8s_control_plane)
+
+
+@pytest.fixture
+def managed_kubelet_nodes(k8s_managed_plane: testcluster.ControlPlane) -> Iterator[StartNode]:
+    """``kubelet_nodes`` on the plane with the controller manager."""
+    yield from _kubelet_nodes(k8s_managed_plane)
+
+
+def _kubelet_nodes(plane: testcluster.ControlPlane) -> Iterator[StartNode]:
     problem = testnode.preflight()
     if problem is not None:
         pytest.fail(problem, pytrace=False)
@@ -153,7 +234,7 @@ def kubelet_nodes(k8s_control_plane: testcluster.ControlPlane) -> Iterator[Start
         roots.append(root)
         try:
             node = testnode.start_node_on(
-                k8s_control_plane, root, name or f"kn-{secrets.token_hex(3)}", attached=True
+                plane, root, name or f"kn-{secrets.token_hex(3)}", attached=True
             )
         except testnode.NodeError as exc:
             pytest.fail(f"could not start a kubelet node: {exc}", pytrace=False)

@@ -3,8 +3,11 @@
 One ``KwokCluster`` per test, bound to that test's namespace. Nodes carry the
 ``kwok.x-k8s.io/node: fake`` annotation so kwok drives their status through the stages in the
 bin dir (node-initialize, node-heartbeat-with-lease, node-not-ready, pod-ready, pod-complete,
-pod-delete, pod-container-running-failed). There is no scheduler and no controller-manager:
-pods are bound by setting ``spec.nodeName``, and ServiceAccounts are created explicitly.
+pod-delete, pod-container-running-failed). The session's plane has no scheduler and no
+controller-manager: pods are bound by setting ``spec.nodeName``, and ServiceAccounts are created
+explicitly. The plane of the ``k8s_managed`` fixture runs kube-controller-manager; there too pods
+are bound by ``spec.nodeName`` (no scheduler), and ``cleanup`` does what no controller of it
+does (the namespace controller's part).
 """
 
 from __future__ import annotations
@@ -298,7 +301,9 @@ class KwokCluster:
         return True
 
     def cleanup(self) -> None:
-        """Remove what the test made. No controller-manager runs, so do its part by hand."""
+        """Remove what the test made, doing the namespace controller's part by hand (the
+        session's plane runs no controller-manager; the ``k8s_managed`` one no namespace
+        controller)."""
         ns = self.namespace
         self.core.delete_collection_namespaced_pod(ns, grace_period_seconds=0)
         for node in self._nodes:

@@ -1,4 +1,5 @@
-"""Smoke tests for the etcd + kube-apiserver + kwok control plane and its helpers."""
+"""Smoke tests for the etcd + kube-apiserver + kwok control plane (with kube-controller-manager on
+request) and its helpers."""
 
 from __future__ import annotations
 
@@ -137,12 +138,13 @@ def test_separate_control_plane_stops_without_leftovers(tmp_path: Path) -> None:
 def test_cli_up_and_down(tmp_path: Path) -> None:
     directory = tmp_path / "cli"
     script = REPO_ROOT / "scripts" / "test-cluster"
-    up = _run(sys.executable, script, "up", directory)
+    up = _run(sys.executable, script, "up", directory, "--controller-manager")
     assert up.returncode == 0, up.stderr
     assert Path(up.stdout.strip()) == directory / "kubeconfig"
     state = json.loads((directory / "state.json").read_text())
     pids = [entry["pid"] for entry in state["processes"].values()]
     try:
+        assert sorted(state["processes"]) == sorted(testcluster.PROCESS_ORDER)
         assert all(testcluster.pid_alive(pid) for pid in pids)
         # The kubeconfig it wrote works (CA-verified TLS, admin token).
         api = kube_config.new_client_from_config(str(directory / "kubeconfig"))
@@ -161,21 +163,22 @@ def test_cli_up_and_down(tmp_path: Path) -> None:
 
 @pytest.mark.usefixtures("k8s_binaries")
 def test_processes_die_when_the_test_process_crashes(tmp_path: Path) -> None:
-    """PR_SET_PDEATHSIG: a SIGKILLed parent (no atexit, no teardown) takes them along."""
+    """PR_SET_PDEATHSIG: a SIGKILLed parent (no atexit, no teardown) takes them along, the
+    controller manager too."""
     directory = tmp_path / "crash"
     program = (
         "import json, os, signal, sys\n"
         "from pathlib import Path\n"
         f"sys.path.insert(0, {str(REPO_ROOT / 'scripts')!r})\n"
         "import testcluster\n"
-        f"plane = testcluster.start(Path({str(directory)!r}), attached=True)\n"
+        f"plane = testcluster.start(Path({str(directory)!r}), controller_manager=True)\n"
         "print(json.dumps(plane.pids), flush=True)\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n"
     )
     child = _run(sys.executable, "-c", program)
     assert child.returncode == -signal.SIGKILL, child.stderr
     pids = list(json.loads(child.stdout.strip().splitlines()[-1]).values())
-    assert len(pids) == 3
+    assert len(pids) == len(testcluster.PROCESS_ORDER)
 
     assert _wait_all_gone(pids) == []
     # Nothing stopped it cleanly, so its state is still there; stop() copes with that.

@@ -1,11 +1,12 @@
-"""DRA against the real kubelet and kube-scheduler v1.36: the agent publishes ResourceSlices,
+"""DRA against the real kubelet and kube-scheduler v1.37: the agent publishes ResourceSlices,
 registers its DRA plugin through kubelet's plugin watcher, the scheduler allocates claims from
 the slices (CEL selectors, consumable capacity, device taints), kubelet prepares them through our
 plugin and hands the CDI ids to the runtime, and device health reaches the pod's
 allocatedResourcesStatus over the health stream.
 
-Claims are made directly (no ResourceClaimTemplate: the test control plane runs no
-controller-manager, which is what turns templates into claims).
+Claims are made directly (no ResourceClaimTemplate: the session's control plane runs no
+controller-manager, which is what turns templates into claims; test_controller_manager.py shows
+that on the plane with one).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""ResourceSlices of simulated nodes against the real API server (kube-apiserver 1.36), written
+"""ResourceSlices of simulated nodes against the real API server (kube-apiserver 1.37), written
 by dra.publisher with the agent's pod-bound token, bound by deploy/daemonset/agent-rbac.yaml's
 RBAC and admission policies, through both API clients (kube_rest and the kubernetes package).
 
@@ -12,7 +12,8 @@ RBAC and admission policies, through both API clients (kube_rest and the kuberne
 - deploy/dra (DeviceClasses) and its example claims and pods pass a server-side dry run.
 - A real kube-scheduler allocates claims from the slices through those DeviceClasses: whole GPUs
   but never a tainted one, two MIG devices of one GPU, and shares of one GPU until its cores are
-  used up. No controller-manager runs: claims are made directly rather than from templates.
+  used up. The session's plane runs no controller-manager: claims are made directly rather than
+  from templates.
 """
 
 from __future__ import annotations
@@ -446,7 +447,8 @@ def device_classes(kubectl: Kubectl) -> Iterator[None]:
 @dataclass
 class Claims:
     """ResourceClaims and the pods using them in one test's namespace, placed by the scheduler
-    on `node` (no controller-manager runs: claims are made directly, not from templates)."""
+    on `node` (the session's plane runs no controller-manager: claims are made directly, not from
+    templates)."""
 
     k8s: KwokCluster
     node: str

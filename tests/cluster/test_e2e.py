@@ -1,7 +1,7 @@
 """End to end on real kubelet nodes: a container exit with a policy's exit code, and an XID 79 on
 the GPU a training worker holds, each get that worker replaced — the second on the other node.
 
-Everything that decides is a real process: the session's etcd + kube-apiserver, two kubelet v1.36
+Everything that decides is a real process: the session's etcd + kube-apiserver, two kubelet v1.37
 nodes with our fake container runtime (scripts/testnode.py), a kube-scheduler started for this
 module (scheduler.py), on each node `edl-agent run` on a simulated dgx-h100 serving that node's
 kubelet, and `edl-agent restarter`. Kubelet admits and allocates the pods through the agents,

@@ -1,4 +1,4 @@
-"""The node side against a real kubelet v1.36: `edl-agent run` on a simulated node serves a real
+"""The node side against a real kubelet v1.37: `edl-agent run` on a simulated node serves a real
 kubelet (scripts/testnode.py: kubelet with our fake container runtime in a private mount
 namespace), which registers it, admits and allocates pods through it, reads health from its
 ListAndWatch into the pods' status, and lists allocations on its pod-resources API.
