@@ -241,6 +241,32 @@ def test_a_refused_write_keeps_the_fault_in_memory(
     assert box.ack(["fault-1"]) == 1
 
 
+def test_a_fault_kept_in_memory_is_written_once_the_disk_takes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    now = [0.0]
+    outbox = Outbox(tmp_path / "outbox", clock=lambda: now[0])
+    try:
+
+        def full(fd: int) -> None:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(os, "fsync", full)
+        assert outbox.enqueue(fault(1))
+        monkeypatch.undo()
+        assert outbox.counts().in_memory == 1
+        outbox.pending()
+        assert entries(outbox.directory) == []  # not before ATTACH_RETRY_SECONDS
+        now[0] = ATTACH_RETRY_SECONDS
+
+        assert [f.id for f in outbox.pending()] == ["fault-1"]
+
+        assert len(entries(outbox.directory)) == 1
+        assert outbox.counts().in_memory == 0
+    finally:
+        outbox.close()
+
+
 def test_listeners_hear_of_new_faults_only(box: Outbox) -> None:
     heard: list[int] = []
     box.add_listener(lambda: heard.append(len(box)))

@@ -151,8 +151,11 @@ class Outbox:
         """The oldest `limit` pending faults (all when None), oldest first. Outside its
         directory, the outbox tries to take it first (at most every ATTACH_RETRY_SECONDS)."""
         with self._lock:
-            if self._lock_file is None and not self._closed and self._clock() >= self._next_attach:
-                self._attach()
+            if not self._closed and self._clock() >= self._next_attach:
+                if self._lock_file is None:
+                    self._attach()
+                elif any(e.path is None for e in self._entries.values()):
+                    self._write_kept()
             entries = list(self._entries.values())
         return [e.fault for e in entries[:limit]]
 
@@ -238,6 +241,13 @@ class Outbox:
             self._entries[fault.id] = _Entry(seq, fault, path)
         if self._entries:
             log.info("outbox: faults waiting from before", count=len(self._entries))
+
+    def _write_kept(self) -> None:
+        """Write the faults kept in memory when their write failed (the lock held)."""
+        self._next_attach = self._clock() + ATTACH_RETRY_SECONDS
+        for entry in self._entries.values():
+            if entry.path is None:
+                entry.path = self._write(entry.seq, entry.fault)
 
     def _write(self, seq: int, fault: Fault) -> Path | None:
         if self._lock_file is None:
