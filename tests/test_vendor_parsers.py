@@ -254,15 +254,32 @@ def test_npu_smi_info_multi_chip_card_takes_device_column_as_index() -> None:
         ("", "no `NPU Name | Health`"),
         ("dcmi module initialize failed. ret is -8005\n", "table header"),
         (NPU_SMI_910B.split(DOUBLE, maxsplit=1)[0] + DOUBLE + "\n", "no NPU rows"),
-        (NPU_SMI_910B.replace("| 0     910B3 ", "| zero  910B3 "), "line 7: expected `<npu id>"),
-        (NPU_SMI_910B.replace("0000:C1:00.0", "C1:00.0     "), "line 8: expected `<chip>"),
-        (NPU_SMI_910B.replace("58626/ 65536", "58626 65536 "), "line 8"),
         ("\x00\x01\x02", "table header"),
     ],
 )
 def test_npu_smi_info_rejects_garbled_output(text: str, message: str) -> None:
     with pytest.raises(NpuSmiParseError, match=message.replace("|", r"\|")):
         parse_npu_smi_info(text)
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "field", "problem"),
+    [
+        ("| 0     910B3 ", "| zero  910B3 ", "npu_id", "line 7: NPU cell 'zero  910B3'"),
+        ("0000:C1:00.0", "C1:00.0     ", "bus_id", "line 8: Bus-Id 'C1:00.0'"),
+        ("58626/ 65536", "58626 65536 ", "memory_mib", "line 8: memory cell"),
+    ],
+)
+def test_npu_smi_info_unreadable_cell_loses_only_its_field(
+    old: str, new: str, field: str, problem: str
+) -> None:
+    info = parse_npu_smi_info(NPU_SMI_910B.replace(old, new))
+    first, second = info.npus
+    assert getattr(first, field) is None
+    assert (second.npu_id, second.bus_id, second.memory_mib) == (1, "0000:c2:00.0", 65536)
+    assert first.name == "910B3"
+    (line,) = info.problems
+    assert line.startswith(problem)
 
 
 @pytest.mark.parametrize(

@@ -195,7 +195,7 @@ def poll_ascend(
             result.missing(device, "NPU_NOT_REPORTED", f"{ascend.TOOL} does not list it")
             continue
         findings = []
-        if record.health.strip().upper() != "OK":
+        if record.health is not None and record.health.strip().upper() != "OK":
             finding = _npu_finding(root, ascend.TOOL, record, settings)
             if finding is not None:
                 findings.append(finding)
@@ -260,10 +260,13 @@ def clears(active: Mapping[str | None, HealthEvent], result: PollResult) -> list
 def _npu_finding(
     root: HostRoot, tool: str, record: ascend.NpuRecord, settings: HealthSettings
 ) -> _Finding | None:
-    health, note = record.health, ""
+    health, note = record.health or "unknown", ""
     codes: tuple[int, ...] = ()
     args = [arg.format(npu=record.npu_id, chip=record.chip_id) for arg in ascend.HEALTH_ARGS]
     try:
+        if record.npu_id is None or record.chip_id is None:
+            msg = "its NPU or chip id could not be read from the table"
+            raise ToolError(msg)  # handled below like a failed query: the Health word decides
         detail = root.read_tool(
             tool, args, ascend.parse_npu_smi_health, timeout=settings.tool_timeout_seconds
         )
