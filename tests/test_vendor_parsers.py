@@ -7,13 +7,19 @@ import json
 import pytest
 
 from edl_agent.devices.ascend import NpuSmiParseError, parse_npu_smi_info, parse_version_info
-from edl_agent.devices.hygon import HySmiParseError, parse_hy_smi_json, parse_kfd_properties
+from edl_agent.devices.hygon import (
+    HySmiParseError,
+    parse_hy_smi_json,
+    parse_hy_smi_status,
+    parse_kfd_properties,
+)
 from edl_agent.devices.kunlunxin import (
     XpuSmiParseError,
     XpuSmiReport,
     normalize_bus_id,
     parse_xpu_smi_query,
 )
+from edl_agent.devices.lenient_json import LenientJson, read_lenient_json
 
 # --- Kunlunxin: xpu-smi -q --------------------------------------------------------------------
 
@@ -161,22 +167,80 @@ def test_hy_smi_json_accepts_rocm_smi_spellings() -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("", "not JSON"),
-        ("HCU[0]\t\t: Card Series: K100_AI\n", "not JSON"),
+        ("", "no JSON object"),
+        ("HCU[0]\t\t: Card Series: K100_AI\n", "no JSON object"),
         ("[1, 2]", "expected a JSON object, got list"),
         ('{"system": {"Driver version": "6.3.8"}}', "no card<N> entries"),
-        ('{"card0": "K100_AI"}', "card0: expected an object"),
-        ('{"card0": {"vram Total Memory (MiB)": "1"}}', "card0: no Card Series"),
-        ('{"card0": {"Card Series": "K100", "vram Total Memory (MiB)": "N/A"}}', "numeric vram"),
+        ('{"card0": "K100_AI"}', "no card<N> entries"),
+    ],
+)
+def test_hy_smi_json_refuses_output_without_cards(text: str, message: str) -> None:
+    with pytest.raises(HySmiParseError, match=message):
+        parse_hy_smi_json(text)
+
+
+@pytest.mark.parametrize(
+    ("card", "field", "problem"),
+    [
+        ({"vram Total Memory (MiB)": "1"}, "product", "card0: no Card Series"),
+        ({"Card Series": "K100", "vram Total Memory (MiB)": "N/A"}, "memory_mib", "numeric vram"),
         (
-            '{"card0": {"Card Series": "K100", "VRAM Total Memory (B)": "1", "PCI Bus": "x"}}',
-            "bad PCI Bus 'x'",
+            {"Card Series": "K100", "VRAM Total Memory (B)": "1", "PCI Bus": "x"},
+            "bus_id",
+            "card0: PCI Bus 'x' holds no address",
         ),
     ],
 )
-def test_hy_smi_json_rejects_garbled_output(text: str, message: str) -> None:
-    with pytest.raises(HySmiParseError, match=message):
-        parse_hy_smi_json(text)
+def test_hy_smi_json_unreadable_field_is_unknown(
+    card: dict[str, str], field: str, problem: str
+) -> None:
+    good = {"Card Series": "K100", "vram Total Memory (MiB)": "65520", "PCI Bus": "0000:1a:00.0"}
+    report = parse_hy_smi_json(json.dumps({"card0": card, "card1": good}))
+    first, second = report.dcus
+    assert getattr(first, field) is None
+    assert (second.product, second.memory_mib, second.bus_id) == ("K100", 65520, "0000:1a:00.0")
+    assert any(problem in line for line in report.problems)
+
+
+def test_hy_smi_bus_value_with_serial_and_oam_id() -> None:
+    text = '{"card0": {"PCI Bus": "0000:09:00.0 --> SN: 01-000206-07SCC2 --> OAM ID: 1"}}'
+    assert parse_hy_smi_status(text)[0].bus_id == "0000:09:00.0"
+
+
+def test_lenient_json_reads_around_missing_commas_empty_keys_and_text() -> None:
+    text = (
+        "WARNING: the driver is old\n"
+        '{"card0": {"a": "1""b": 2, "": "", "": "", "c": 41.0C} "card1": {"a": "3"}}\n'
+        "done\n"
+    )
+    read = read_lenient_json(text)
+    assert read.data == {"card0": {"a": "1", "b": "2", "c": "41.0C"}, "card1": {"a": "3"}}
+    assert set(read.repairs) == {
+        "text outside the JSON object ignored",
+        "missing comma between keys",
+        "empty keys dropped",
+        "bare values read as text",
+    }
+
+
+def test_lenient_json_keeps_strict_json_as_it_is() -> None:
+    assert read_lenient_json('{"a": [1, {"b": null}]}') == LenientJson({"a": [1, {"b": None}]})
+
+
+@pytest.mark.parametrize(
+    ("text", "data", "repair"),
+    [
+        ('{"a": "1", "b": ', {"a": "1", "b": None}, "object not closed"),
+        ('{"a": "1" "b"}', {"a": "1"}, "key without a value skipped"),
+        ('{"a": [1, 2}', {"a": ["1", "2"]}, "array not closed"),
+        ('{"a": "1" "a": "2"}', {"a": "2"}, "repeated key 'a': the last value kept"),
+        ('{oops "a": "1"}', {"a": "1"}, "unreadable text inside an object skipped"),
+    ],
+)
+def test_lenient_json_repairs(text: str, data: dict[str, object], repair: str) -> None:
+    read = read_lenient_json(text)
+    assert read.data == data
+    assert repair in read.repairs
 
 
 def test_kfd_properties_keeps_integer_pairs() -> None:
