@@ -16,8 +16,9 @@ from edl_agent.devices.hygon import (
 from edl_agent.devices.kunlunxin import (
     XpuSmiParseError,
     XpuSmiReport,
-    normalize_bus_id,
+    parse_xpu_smi_list,
     parse_xpu_smi_query,
+    sysfs_bus_id,
 )
 from edl_agent.devices.lenient_json import LenientJson, read_lenient_json
 
@@ -93,32 +94,66 @@ def test_xpu_smi_query_bus_id_from_heading_when_pci_section_missing() -> None:
 
 
 @pytest.mark.parametrize(
-    ("text", "message"),
+    "text",
+    ["", "garbage", "\x00\x7f\x01 binary noise", "error: driver not loaded : code 3\n"],
+)
+def test_xpu_smi_query_refuses_output_without_xpus(text: str) -> None:
+    with pytest.raises(XpuSmiParseError, match="no XPU blocks"):
+        parse_xpu_smi_query(text)
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "field", "problem"),
     [
-        ("", "no XPU blocks"),
-        ("garbage", "line 1: unexpected 'garbage'"),
-        ("\x00\x7f\x01 binary noise", "unexpected"),
-        ("error: driver not loaded : code 3\n", "no XPU blocks"),
+        ("P800 OAM", "", "product", "XPU 00000000:9C:00.0: no Product Name"),
+        ("98304 MiB", "96 GiB", "memory_mib", "Memory Usage > Total"),
+        ("00000000:9C:00.0\n    Memory", "9C:00.0\n    Memory", "bus_id", "no readable PCI"),
         (
-            XPU_SMI_Q.replace("Attached XPUs                             : 2", "Attached XPUs : 3"),
-            "but 2 XPU blocks",
-        ),
-        (XPU_SMI_Q.replace("P800 OAM", ""), "no Product Name"),
-        (XPU_SMI_Q.replace("98304 MiB", "96 GiB", 1), "Memory Usage > Total"),
-        (
-            XPU_SMI_Q.replace("00000000:9C:00.0\n    Memory", "9C:00.0\n    Memory"),
-            "bad PCI bus id '9C:00.0'",
-        ),
-        (
-            XPU_SMI_Q.replace("Minor Number                          : 5", "Minor Number : five"),
+            "Minor Number                          : 5",
+            "Minor Number : five",
+            "minor",
             "Minor Number 'five'",
         ),
-        (XPU_SMI_Q + "Segmentation fault\n", "unexpected 'Segmentation fault'"),
     ],
 )
-def test_xpu_smi_query_rejects_garbled_output(text: str, message: str) -> None:
-    with pytest.raises(XpuSmiParseError, match=message.replace("(", r"\(")):
-        parse_xpu_smi_query(text)
+def test_xpu_smi_query_unreadable_field_is_unknown(
+    old: str, new: str, field: str, problem: str
+) -> None:
+    text = new.join(XPU_SMI_Q.rsplit(old, 1))  # in the second block
+    report = parse_xpu_smi_query(text)
+    first, second = report.xpus
+    assert getattr(second, field) is None
+    assert (first.product, first.memory_mib, first.bus_id) == ("P800 PCIe", 98304, "0000:01:00.0")
+    assert any(problem in line for line in report.problems)
+
+
+def test_xpu_smi_query_attached_count_that_does_not_match_is_noted() -> None:
+    text = XPU_SMI_Q.replace("Attached XPUs                             : 2", "Attached XPUs : 3")
+    report = parse_xpu_smi_query(text)
+    assert len(report.xpus) == 2
+    assert report.problems == ("`Attached XPUs : 3` but 2 XPU blocks printed",)
+
+
+def test_xpu_smi_query_trailing_noise_stays_out_of_the_facts() -> None:
+    report = parse_xpu_smi_query(XPU_SMI_Q + "Segmentation fault\n")
+    assert [x.product for x in report.xpus] == ["P800 PCIe", "P800 OAM"]
+
+
+def test_xpu_smi_list_names_uuids_and_old_bus_ids() -> None:
+    text = (
+        "XPU 0: P800 OAM  GPU-ed733bb8-c4a8-5bb5-9431-14512597fc12\n"
+        "XPU 1: 00000000:21:00.0\n"
+        "something else\n"
+    )
+    first, second = parse_xpu_smi_list(text)
+    assert (first.smi_index, first.name, first.uuid) == (
+        0,
+        "P800 OAM",
+        "GPU-ed733bb8-c4a8-5bb5-9431-14512597fc12",
+    )
+    assert (second.name, second.bus_id) == (None, "0000:21:00.0")
+    with pytest.raises(XpuSmiParseError, match="no `XPU"):
+        parse_xpu_smi_list("No devices were found\n")
 
 
 @pytest.mark.parametrize(
@@ -127,10 +162,11 @@ def test_xpu_smi_query_rejects_garbled_output(text: str, message: str) -> None:
         ("00000000:01:00.0", "0000:01:00.0"),
         ("00000001:9C:00.0", "0001:9c:00.0"),
         ("0000:C1:00.1", "0000:c1:00.1"),
+        ("9C:00.0", None),
     ],
 )
-def test_normalize_bus_id(text: str, expected: str) -> None:
-    assert normalize_bus_id(text, where="test") == expected
+def test_sysfs_bus_id(text: str, expected: str | None) -> None:
+    assert sysfs_bus_id(text) == expected
 
 
 # --- Hygon: hy-smi --json, KFD topology ---------------------------------------------------------
