@@ -348,8 +348,8 @@ def test_parse_npu_smi_topo_refuses_output_without_a_matrix() -> None:
 
 def test_parse_npu_smi_topo_unsupported_device_is_an_empty_matrix() -> None:
     topo = ascend.parse_npu_smi_topo("This device does not support querying topo.\n")
-    assert (topo.npus, topo.cells) == ((), {})
-    assert topo.problems == ("This device does not support querying topo.",)
+    assert (topo.npus, topo.cells, topo.problems) == ((), {}, ())
+    assert topo.unsupported == "This device does not support querying topo."
 
 
 @pytest.mark.parametrize(

@@ -34,6 +34,7 @@ class NpuTopo:
     cpu_affinity: dict[int, str]
     label: str = "NPU"
     problems: tuple[str, ...] = ()
+    unsupported: str | None = None  # npu-smi's own "does not support" line, when it printed one
 
 
 def parse_npu_smi_topo(text: str) -> NpuTopo:
@@ -70,7 +71,7 @@ def parse_npu_smi_topo(text: str) -> NpuTopo:
             affinity[number] = extra["CPU Affinity"]
     if not ids:
         if _UNSUPPORTED.search(text):
-            return NpuTopo(npus=(), cells={}, cpu_affinity={}, problems=(text.strip()[:200],))
+            return NpuTopo(npus=(), cells={}, cpu_affinity={}, unsupported=text.strip()[:200])
         raise NpuSmiParseError("no `NPU0 NPU1 ...` or `Phy-ID0 Phy-ID1 ...` header")
     problems += [f"no row for {label}{n}" for n in ids if (n, n) not in cells]
     return NpuTopo(

@@ -91,14 +91,14 @@ def reboot(root: Path) -> str:
     if host.exists(nvidia_tree.DATA):
         _append(root, "reboot")
         done.append("NVIDIA driver state cleared")
-    for kind, reset, count in (
-        (Vendor.ASCEND, lambda i: ascend_tree.set_npu_health(root, i, "OK"), _count_npus),
-        (Vendor.KUNLUNXIN, lambda i: reset_device(root, Vendor.KUNLUNXIN, i), _count_xpus),
-        (Vendor.HYGON, lambda i: hygon_tree.set_dcu_state(root, i, "Normal"), _count_dcus),
+    for kind, count in (
+        (Vendor.ASCEND, ascend_tree.count_npus),
+        (Vendor.KUNLUNXIN, _count_xpus),
+        (Vendor.HYGON, _count_dcus),
     ):
         devices = count(root)
         for index in range(devices):
-            reset(index)
+            reset_device(root, kind, index)
         if devices:
             done.append(f"{devices} {kind.value} devices reset")
     return ", ".join(done)
@@ -285,12 +285,6 @@ def _hygon_nodes(root: Path, host: HostRoot, index: int) -> list[str]:
     card = cards[index]
     renders = host.glob(f"{card}/device/drm", "renderD*")
     return [f"/dev/dri/{name.rsplit('/', 1)[-1]}" for name in [card, *renders]]
-
-
-def _count_npus(root: Path) -> int:
-    pattern = re.compile(r"npu-smi\.health\.(\d+)\.txt$")
-    directory = root / ascend_tree.TOOL.lstrip("/")
-    return sum(1 for p in directory.parent.glob("npu-smi.health.*.txt") if pattern.search(p.name))
 
 
 def _count_xpus(root: Path) -> int:

@@ -107,9 +107,22 @@ class HygonSpec:
 
 @dataclass(frozen=True)
 class NpuSpec:
-    product: str  # chip name as npu-smi prints it, e.g. 910B3
+    """`count` identical NPUs (cards), each with `chips` chips: 2 for an Atlas A3 NPU (two dies)
+    or an Atlas 300I Duo card (two 310P chips)."""
+
+    product: str  # chip name as npu-smi prints it: 910B3, Ascend910 (A3), 310P3
     memory_mib: int
     count: int = 1
+    chips: int = 1
+    npu_ids: tuple[int, ...] = ()  # NPU ids as npu-smi numbers the cards; default consecutive
+    first_npu_id: int = 0
+    ddr_mib: int = 0  # the Memory-Usage total npu-smi prints beside HBM (910A)
+
+    def check(self) -> None:
+        if self.count < 1 or self.chips < 1:
+            raise ValueError("count and chips: must be at least 1")
+        if self.npu_ids and len(self.npu_ids) != self.count:
+            raise ValueError("npu_ids: one per NPU (count)")
 
 
 @dataclass(frozen=True)
