@@ -8,9 +8,7 @@ every vendor. Errors are ValueErrors with a one-line message naming the tree and
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +29,7 @@ MAX_XID = 2**32 - 1
 _VENDOR_MARKERS = {
     Vendor.NVIDIA: (nvidia_tree.DATA, "/dev/nvidiactl"),
     Vendor.KUNLUNXIN: ("/dev/xpuctrl", kunlunxin_tree.TOOL),
-    Vendor.HYGON: ("/dev/kfd", hygon_tree.TOOL),
+    Vendor.HYGON: ("/dev/kfd", *hygon_tree.TOOLS),
     Vendor.ASCEND: ("/dev/davinci_manager", ascend_tree.TOOL),
 }
 
@@ -94,7 +92,7 @@ def reboot(root: Path) -> str:
     for kind, count in (
         (Vendor.ASCEND, ascend_tree.count_npus),
         (Vendor.KUNLUNXIN, _count_xpus),
-        (Vendor.HYGON, _count_dcus),
+        (Vendor.HYGON, hygon_tree.count_dcus),
     ):
         devices = count(root)
         for index in range(devices):
@@ -290,11 +288,3 @@ def _hygon_nodes(root: Path, host: HostRoot, index: int) -> list[str]:
 def _count_xpus(root: Path) -> int:
     path = root / kunlunxin_tree.QUERY_OUTPUT.lstrip("/")
     return path.read_text(encoding="utf-8").count("\nXPU ") if path.is_file() else 0
-
-
-def _count_dcus(root: Path) -> int:
-    path = root / hygon_tree.JSON_OUTPUT.lstrip("/")
-    if not path.is_file():
-        return 0
-    data = json.loads(path.read_text(encoding="utf-8"))
-    return sum(1 for key in data if re.fullmatch(r"card\d+", key))

@@ -101,8 +101,14 @@ class DcuSpec:
 
 @dataclass(frozen=True)
 class HygonSpec:
+    """`tool`: hy-smi, or DTK's rocm-smi on older nodes without hy-smi. `json_style`: `strict` as
+    rocm-smi prints it, or `bw` as hy-smi prints it on BW nodes (missing commas, repeated `"": ""`
+    keys, `PCI Bus` values carrying serial number and OAM id)."""
+
     driver_version: str
     dcus: tuple[DcuSpec, ...]
+    tool: Literal["hy-smi", "rocm-smi"] = "hy-smi"
+    json_style: Literal["strict", "bw"] = "strict"
 
 
 @dataclass(frozen=True)
