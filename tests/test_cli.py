@@ -51,6 +51,7 @@ EXPECTED = {
     "ascend-a3-910c": ({("ascend", "npu"): 16}, {"huawei.com/Ascend910": 16}),
     "ascend-300i-duo": ({("ascend", "npu"): 8}, {"huawei.com/Ascend310P": 8}),
     "hygon-bw": ({("hygon", "dcu"): 8}, {"hygon.com/dcunum": 8}),
+    "kunlun-p800-oam": ({("kunlunxin", "xpu"): 8}, {"kunlunxin.com/xpu": 8}),
     "mixed-gpu-npu": (
         {("nvidia", "gpu"): 4, ("ascend", "npu"): 4},
         {"nvidia.com/gpu": 4, "huawei.com/Ascend910": 4},

@@ -87,8 +87,17 @@ class XpuSpec:
 
 @dataclass(frozen=True)
 class KunlunxinSpec:
+    """`minor_numbers`: N of /dev/xpu<N> for each XPU in xpu-smi's (PCI) order, where it is not
+    that order; the default numbers them 0, 1, 2, ..."""
+
     driver_version: str
     xpus: tuple[XpuSpec, ...]
+    minor_numbers: tuple[int, ...] = ()
+
+    def check(self) -> None:
+        count = sum(group.count for group in self.xpus)
+        if self.minor_numbers and sorted(self.minor_numbers) != list(range(count)):
+            raise ValueError(f"minor_numbers: a permutation of 0-{count - 1}, one per XPU")
 
 
 @dataclass(frozen=True)
