@@ -319,7 +319,7 @@ def test_bw_malformed_json_discovers_and_polls(
 
     devices = _devices(root, hygon.discover)
     (warning,) = warnings_of(hygon.discover, root)
-    assert warning["cells"] == [
+    assert warning["problems"] == [
         "JSON repaired: missing comma between keys",
         "JSON repaired: empty keys dropped",
     ]

@@ -1,5 +1,6 @@
-"""Tool cells that could not be read: each vendor's parser lists them, discovery warns once per
-discovery with the first few, and the fields they held stay unknown."""
+"""Tool output that could not be read as printed: each vendor's parser lists the cells it could not
+read (their fields stay unknown) and what it had to repair; discovery warns once per discovery
+with the first few."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ MAX_LOGGED = 8
 
 
 def warn_unreadable(log: Any, tool: str, problems: Sequence[str]) -> None:
-    """One warning naming the cells of `tool`'s output that could not be read (none: silent).
+    """One warning naming the problems in `tool`'s output (none: silent).
     `log` is a structlog logger (bound loggers are typed Any by structlog)."""
     if problems:
         log.warning(
-            f"{tool}: some cells could not be read; those fields are unknown",
+            f"{tool}: output not read as printed; the fields named are unknown or repaired",
             count=len(problems),
-            cells=list(problems[:MAX_LOGGED]),
+            problems=list(problems[:MAX_LOGGED]),
         )
