@@ -105,9 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--topology",
         action="store_true",
         help="print how the physical accelerators connect instead, as `nvidia-smi topo -m` "
-        "does: a matrix of direct links (NV# NVLinks, HCCS, XGMI) or else PCIe paths (PIX, PXB, "
-        "PHB, NODE, SYS), with each device's CPU and NUMA affinity. NVIDIA: NVML (NVLink "
-        "counts, common ancestor, affinity). Ascend: npu-smi info -t topo (HCCS, not counted). "
+        "does: a matrix of direct links (NV# NVLinks, HCCS, HCCS_SW, SIO, UB, XGMI) or else PCIe "
+        "paths (PIX, PXB, PHB, NODE, SYS), with each device's CPU and NUMA affinity. NVIDIA: NVML "
+        "(NVLink counts, common ancestor, affinity). Ascend: npu-smi info -t topo (HCCS, HCCS_SW "
+        "through a switch, SIO between the dies of an A3 NPU, UB; not counted). "
         "Hygon: xGMI links in the KFD topology (not counted). Kunlunxin: no XPU Links are read. "
         "Everything else, and every pair of different vendors, from sysfs (PCI tree, NUMA "
         "nodes). With --format json: "

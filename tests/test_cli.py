@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from edl_agent.cli import main
-from edl_agent.sim.profile import ProfileError, parse_profile, profile_names
+from edl_agent.sim.profile import ProfileError, load_profile, parse_profile, profile_names
 
 
 def discover_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
@@ -48,6 +48,10 @@ EXPECTED = {
     "kunlun-p800x8": ({("kunlunxin", "xpu"): 8}, {"kunlunxin.com/xpu": 8}),
     "hygon-k100x8": ({("hygon", "dcu"): 8}, {"hygon.com/dcunum": 8}),
     "ascend-910bx8": ({("ascend", "npu"): 8}, {"huawei.com/Ascend910": 8}),
+    "ascend-a3-910c": ({("ascend", "npu"): 16}, {"huawei.com/Ascend910": 16}),
+    "ascend-300i-duo": ({("ascend", "npu"): 8}, {"huawei.com/Ascend310P": 8}),
+    "hygon-bw": ({("hygon", "dcu"): 8}, {"hygon.com/dcunum": 8}),
+    "kunlun-p800-oam": ({("kunlunxin", "xpu"): 8}, {"kunlunxin.com/xpu": 8}),
     "mixed-gpu-npu": (
         {("nvidia", "gpu"): 4, ("ascend", "npu"): 4},
         {"nvidia.com/gpu": 4, "huawei.com/Ascend910": 4},
@@ -75,13 +79,14 @@ def test_simulated_profile_discovery(profile: str, capsys: pytest.CaptureFixture
     assert resource_counts(inventory) == resources
     assert all(v["error"] is None for v in inventory["vendors"])
     assert inventory["node"].startswith("sim-")
+    numa_nodes = range(load_profile(profile).node.numa_nodes)
     ids = [d["id"] for d in inventory["devices"]]
     assert len(ids) == len(set(ids))
     for device in inventory["devices"]:
         assert device["health"] == "Healthy"
         assert device["memory_mib"] > 0
         if device["kind"] != "mig":
-            assert device["numa_node"] in (0, 1)
+            assert device["numa_node"] in numa_nodes
             assert device["pci_bus_id"]
 
 

@@ -7,13 +7,20 @@ import json
 import pytest
 
 from edl_agent.devices.ascend import NpuSmiParseError, parse_npu_smi_info, parse_version_info
-from edl_agent.devices.hygon import HySmiParseError, parse_hy_smi_json, parse_kfd_properties
+from edl_agent.devices.hygon import (
+    HySmiParseError,
+    parse_hy_smi_json,
+    parse_hy_smi_status,
+    parse_kfd_properties,
+)
 from edl_agent.devices.kunlunxin import (
     XpuSmiParseError,
     XpuSmiReport,
-    normalize_bus_id,
+    parse_xpu_smi_list,
     parse_xpu_smi_query,
+    sysfs_bus_id,
 )
+from edl_agent.devices.lenient_json import LenientJson, read_lenient_json
 
 # --- Kunlunxin: xpu-smi -q --------------------------------------------------------------------
 
@@ -87,32 +94,66 @@ def test_xpu_smi_query_bus_id_from_heading_when_pci_section_missing() -> None:
 
 
 @pytest.mark.parametrize(
-    ("text", "message"),
+    "text",
+    ["", "garbage", "\x00\x7f\x01 binary noise", "error: driver not loaded : code 3\n"],
+)
+def test_xpu_smi_query_refuses_output_without_xpus(text: str) -> None:
+    with pytest.raises(XpuSmiParseError, match="no XPU blocks"):
+        parse_xpu_smi_query(text)
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "field", "problem"),
     [
-        ("", "no XPU blocks"),
-        ("garbage", "line 1: unexpected 'garbage'"),
-        ("\x00\x7f\x01 binary noise", "unexpected"),
-        ("error: driver not loaded : code 3\n", "no XPU blocks"),
+        ("P800 OAM", "", "product", "XPU 00000000:9C:00.0: no Product Name"),
+        ("98304 MiB", "96 GiB", "memory_mib", "Memory Usage > Total"),
+        ("00000000:9C:00.0\n    Memory", "9C:00.0\n    Memory", "bus_id", "no readable PCI"),
         (
-            XPU_SMI_Q.replace("Attached XPUs                             : 2", "Attached XPUs : 3"),
-            "but 2 XPU blocks",
-        ),
-        (XPU_SMI_Q.replace("P800 OAM", ""), "no Product Name"),
-        (XPU_SMI_Q.replace("98304 MiB", "96 GiB", 1), "Memory Usage > Total"),
-        (
-            XPU_SMI_Q.replace("00000000:9C:00.0\n    Memory", "9C:00.0\n    Memory"),
-            "bad PCI bus id '9C:00.0'",
-        ),
-        (
-            XPU_SMI_Q.replace("Minor Number                          : 5", "Minor Number : five"),
+            "Minor Number                          : 5",
+            "Minor Number : five",
+            "minor",
             "Minor Number 'five'",
         ),
-        (XPU_SMI_Q + "Segmentation fault\n", "unexpected 'Segmentation fault'"),
     ],
 )
-def test_xpu_smi_query_rejects_garbled_output(text: str, message: str) -> None:
-    with pytest.raises(XpuSmiParseError, match=message.replace("(", r"\(")):
-        parse_xpu_smi_query(text)
+def test_xpu_smi_query_unreadable_field_is_unknown(
+    old: str, new: str, field: str, problem: str
+) -> None:
+    text = new.join(XPU_SMI_Q.rsplit(old, 1))  # in the second block
+    report = parse_xpu_smi_query(text)
+    first, second = report.xpus
+    assert getattr(second, field) is None
+    assert (first.product, first.memory_mib, first.bus_id) == ("P800 PCIe", 98304, "0000:01:00.0")
+    assert any(problem in line for line in report.problems)
+
+
+def test_xpu_smi_query_attached_count_that_does_not_match_is_noted() -> None:
+    text = XPU_SMI_Q.replace("Attached XPUs                             : 2", "Attached XPUs : 3")
+    report = parse_xpu_smi_query(text)
+    assert len(report.xpus) == 2
+    assert report.problems == ("`Attached XPUs : 3` but 2 XPU blocks printed",)
+
+
+def test_xpu_smi_query_trailing_noise_stays_out_of_the_facts() -> None:
+    report = parse_xpu_smi_query(XPU_SMI_Q + "Segmentation fault\n")
+    assert [x.product for x in report.xpus] == ["P800 PCIe", "P800 OAM"]
+
+
+def test_xpu_smi_list_names_uuids_and_old_bus_ids() -> None:
+    text = (
+        "XPU 0: P800 OAM  GPU-ed733bb8-c4a8-5bb5-9431-14512597fc12\n"
+        "XPU 1: 00000000:21:00.0\n"
+        "something else\n"
+    )
+    first, second = parse_xpu_smi_list(text)
+    assert (first.smi_index, first.name, first.uuid) == (
+        0,
+        "P800 OAM",
+        "GPU-ed733bb8-c4a8-5bb5-9431-14512597fc12",
+    )
+    assert (second.name, second.bus_id) == (None, "0000:21:00.0")
+    with pytest.raises(XpuSmiParseError, match="no `XPU"):
+        parse_xpu_smi_list("No devices were found\n")
 
 
 @pytest.mark.parametrize(
@@ -121,10 +162,11 @@ def test_xpu_smi_query_rejects_garbled_output(text: str, message: str) -> None:
         ("00000000:01:00.0", "0000:01:00.0"),
         ("00000001:9C:00.0", "0001:9c:00.0"),
         ("0000:C1:00.1", "0000:c1:00.1"),
+        ("9C:00.0", None),
     ],
 )
-def test_normalize_bus_id(text: str, expected: str) -> None:
-    assert normalize_bus_id(text, where="test") == expected
+def test_sysfs_bus_id(text: str, expected: str | None) -> None:
+    assert sysfs_bus_id(text) == expected
 
 
 # --- Hygon: hy-smi --json, KFD topology ---------------------------------------------------------
@@ -161,22 +203,80 @@ def test_hy_smi_json_accepts_rocm_smi_spellings() -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("", "not JSON"),
-        ("HCU[0]\t\t: Card Series: K100_AI\n", "not JSON"),
+        ("", "no JSON object"),
+        ("HCU[0]\t\t: Card Series: K100_AI\n", "no JSON object"),
         ("[1, 2]", "expected a JSON object, got list"),
         ('{"system": {"Driver version": "6.3.8"}}', "no card<N> entries"),
-        ('{"card0": "K100_AI"}', "card0: expected an object"),
-        ('{"card0": {"vram Total Memory (MiB)": "1"}}', "card0: no Card Series"),
-        ('{"card0": {"Card Series": "K100", "vram Total Memory (MiB)": "N/A"}}', "numeric vram"),
+        ('{"card0": "K100_AI"}', "no card<N> entries"),
+    ],
+)
+def test_hy_smi_json_refuses_output_without_cards(text: str, message: str) -> None:
+    with pytest.raises(HySmiParseError, match=message):
+        parse_hy_smi_json(text)
+
+
+@pytest.mark.parametrize(
+    ("card", "field", "problem"),
+    [
+        ({"vram Total Memory (MiB)": "1"}, "product", "card0: no Card Series"),
+        ({"Card Series": "K100", "vram Total Memory (MiB)": "N/A"}, "memory_mib", "numeric vram"),
         (
-            '{"card0": {"Card Series": "K100", "VRAM Total Memory (B)": "1", "PCI Bus": "x"}}',
-            "bad PCI Bus 'x'",
+            {"Card Series": "K100", "VRAM Total Memory (B)": "1", "PCI Bus": "x"},
+            "bus_id",
+            "card0: PCI Bus 'x' holds no address",
         ),
     ],
 )
-def test_hy_smi_json_rejects_garbled_output(text: str, message: str) -> None:
-    with pytest.raises(HySmiParseError, match=message):
-        parse_hy_smi_json(text)
+def test_hy_smi_json_unreadable_field_is_unknown(
+    card: dict[str, str], field: str, problem: str
+) -> None:
+    good = {"Card Series": "K100", "vram Total Memory (MiB)": "65520", "PCI Bus": "0000:1a:00.0"}
+    report = parse_hy_smi_json(json.dumps({"card0": card, "card1": good}))
+    first, second = report.dcus
+    assert getattr(first, field) is None
+    assert (second.product, second.memory_mib, second.bus_id) == ("K100", 65520, "0000:1a:00.0")
+    assert any(problem in line for line in report.problems)
+
+
+def test_hy_smi_bus_value_with_serial_and_oam_id() -> None:
+    text = '{"card0": {"PCI Bus": "0000:09:00.0 --> SN: 01-000206-07SCC2 --> OAM ID: 1"}}'
+    assert parse_hy_smi_status(text)[0].bus_id == "0000:09:00.0"
+
+
+def test_lenient_json_reads_around_missing_commas_empty_keys_and_text() -> None:
+    text = (
+        "WARNING: the driver is old\n"
+        '{"card0": {"a": "1""b": 2, "": "", "": "", "c": 41.0C} "card1": {"a": "3"}}\n'
+        "done\n"
+    )
+    read = read_lenient_json(text)
+    assert read.data == {"card0": {"a": "1", "b": "2", "c": "41.0C"}, "card1": {"a": "3"}}
+    assert set(read.repairs) == {
+        "text outside the JSON object ignored",
+        "missing comma between keys",
+        "empty keys dropped",
+        "bare values read as text",
+    }
+
+
+def test_lenient_json_keeps_strict_json_as_it_is() -> None:
+    assert read_lenient_json('{"a": [1, {"b": null}]}') == LenientJson({"a": [1, {"b": None}]})
+
+
+@pytest.mark.parametrize(
+    ("text", "data", "repair"),
+    [
+        ('{"a": "1", "b": ', {"a": "1", "b": None}, "object not closed"),
+        ('{"a": "1" "b"}', {"a": "1"}, "key without a value skipped"),
+        ('{"a": [1, 2}', {"a": ["1", "2"]}, "array not closed"),
+        ('{"a": "1" "a": "2"}', {"a": "2"}, "repeated key 'a': the last value kept"),
+        ('{oops "a": "1"}', {"a": "1"}, "unreadable text inside an object skipped"),
+    ],
+)
+def test_lenient_json_repairs(text: str, data: dict[str, object], repair: str) -> None:
+    read = read_lenient_json(text)
+    assert read.data == data
+    assert repair in read.repairs
 
 
 def test_kfd_properties_keeps_integer_pairs() -> None:
@@ -254,15 +354,32 @@ def test_npu_smi_info_multi_chip_card_takes_device_column_as_index() -> None:
         ("", "no `NPU Name | Health`"),
         ("dcmi module initialize failed. ret is -8005\n", "table header"),
         (NPU_SMI_910B.split(DOUBLE, maxsplit=1)[0] + DOUBLE + "\n", "no NPU rows"),
-        (NPU_SMI_910B.replace("| 0     910B3 ", "| zero  910B3 "), "line 7: expected `<npu id>"),
-        (NPU_SMI_910B.replace("0000:C1:00.0", "C1:00.0     "), "line 8: expected `<chip>"),
-        (NPU_SMI_910B.replace("58626/ 65536", "58626 65536 "), "line 8"),
         ("\x00\x01\x02", "table header"),
     ],
 )
 def test_npu_smi_info_rejects_garbled_output(text: str, message: str) -> None:
     with pytest.raises(NpuSmiParseError, match=message.replace("|", r"\|")):
         parse_npu_smi_info(text)
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "field", "problem"),
+    [
+        ("| 0     910B3 ", "| zero  910B3 ", "npu_id", "line 7: NPU cell 'zero  910B3'"),
+        ("0000:C1:00.0", "C1:00.0     ", "bus_id", "line 8: Bus-Id 'C1:00.0'"),
+        ("58626/ 65536", "58626 65536 ", "memory_mib", "line 8: memory cell"),
+    ],
+)
+def test_npu_smi_info_unreadable_cell_loses_only_its_field(
+    old: str, new: str, field: str, problem: str
+) -> None:
+    info = parse_npu_smi_info(NPU_SMI_910B.replace(old, new))
+    first, second = info.npus
+    assert getattr(first, field) is None
+    assert (second.npu_id, second.bus_id, second.memory_mib) == (1, "0000:c2:00.0", 65536)
+    assert first.name == "910B3"
+    (line,) = info.problems
+    assert line.startswith(problem)
 
 
 @pytest.mark.parametrize(

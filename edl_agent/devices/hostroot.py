@@ -27,6 +27,8 @@ TOOL_DIRS = (
     "/usr/local/Ascend/driver/tools",
     "/usr/local/xpu/bin",
     "/opt/hyhal/bin",
+    "/opt/dtk/bin",  # DTK's rocm-smi on Hygon nodes without hy-smi
+    "/opt/rocm/bin",
 )
 
 

@@ -1,4 +1,5 @@
-"""Hygon DCU discovery: DRM cards with PCI vendor 0x1d94, KFD topology, facts from `hy-smi`.
+"""Hygon DCU discovery: DRM cards with PCI vendor 0x1d94, KFD topology, facts from `hy-smi` (or,
+on older DTK nodes without it, DTK's `rocm-smi`), read per field by `hygon_smi`.
 
 A DCU's index is its position among the Hygon cards in DRM card order (what hy-smi calls
 `HCU[i]`/`card<i>`), not the card number: servers usually have a BMC VGA adapter as `card0`.
@@ -8,19 +9,51 @@ not shift when another card disappears.
 
 from __future__ import annotations
 
-import json
-import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
 
 import structlog
 
 from edl_agent.devices.hostroot import HostRoot, ToolError, parse_numa_node
+from edl_agent.devices.hygon_smi import (
+    STATE_KEY,
+    DcuRecord,
+    DcuStatus,
+    HySmiParseError,
+    HySmiReport,
+    parse_hy_smi_json,
+    parse_hy_smi_status,
+    parse_kfd_properties,
+)
 from edl_agent.devices.model import Device, Health, Vendor, VendorReport
+from edl_agent.devices.unreadable import warn_unreadable
+
+__all__ = [
+    "FALLBACK_TOOL",
+    "KFD_NODES",
+    "PCI_VENDOR",
+    "QUERY_ARGS",
+    "STATE_KEY",
+    "STATUS_ARGS",
+    "TOOL",
+    "DcuRecord",
+    "DcuStatus",
+    "HySmiParseError",
+    "HySmiReport",
+    "discover",
+    "kfd_location_key",
+    "parse_hy_smi_json",
+    "parse_hy_smi_status",
+    "parse_kfd_properties",
+    "smi_tool",
+]
 
 TOOL = "hy-smi"
+# Older DTK nodes have no hy-smi, only DTK's rocm-smi (same flags, same JSON). It is used only
+# where sysfs shows Hygon cards: on an AMD node the same tool would list AMD GPUs.
+FALLBACK_TOOL = "rocm-smi"
 QUERY_ARGS = ("--showproductname", "--showmeminfo", "vram", "--showdriverversion", "--json")
 # Live figures for the health poller: rocm-smi's flags, which hy-smi keeps.
 STATUS_ARGS = (
@@ -36,174 +69,17 @@ PCI_VENDOR = "0x1d94"
 SHARED_NODES = ("/dev/kfd", "/dev/mkfd")  # KFD compute interface; mkfd exists on newer drivers
 KFD_NODES = "/sys/class/kfd/kfd/topology/nodes"
 
-_CARD = re.compile(r"^card(\d+)$")  # a DRM card's name, and hy-smi's JSON key for a DCU
+_CARD = re.compile(r"^card(\d+)$")  # a DRM card's name
 _BUS_ID = re.compile(r"^([0-9a-fA-F]{4}):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])$")
 _MIB = 1024 * 1024
 
-# hy-smi follows rocm-smi's JSON (`{"card0": {...}, "system": {...}}`) but reports memory in MiB
-# with lower-case `vram` keys; both spellings are accepted. Key names from public hy-smi parsers
-# (`Card Series`, `vram Total Memory (MiB)`) and rocm-smi's documented output.
-_PRODUCT_KEYS = ("Card Series", "Card series", "Card Model", "Card model")
-_MEMORY_MIB_KEYS = ("vram Total Memory (MiB)", "VRAM Total Memory (MiB)")
-_MEMORY_BYTES_KEYS = ("VRAM Total Memory (B)", "vram Total Memory (B)")
-_DRIVER_KEYS = ("Driver version", "Driver Version")
-# Status keys as rocm-smi spells them and public hy-smi collectors read them (HCU is hy-smi's name
-# for a DCU). `DCU State` is designed for the simulated tool: real hy-smi has no health field.
-_TEMPERATURE_KEYS = ("Temperature (Sensor junction) (C)", "Temperature (Sensor edge) (C)")
-_POWER_KEYS = (
-    "Average Graphics Package Power (W)",
-    "Current Socket Graphics Package Power (W)",
-)
-_USE_KEYS = ("HCU use (%)", "DCU use (%)", "GPU use (%)")
-_USED_MIB_KEYS = ("vram Total Used Memory (MiB)", "VRAM Total Used Memory (MiB)")
-_USED_BYTES_KEYS = ("VRAM Total Used Memory (B)", "vram Total Used Memory (B)")
-STATE_KEY = "DCU State"
 
-
-class HySmiParseError(ValueError):
-    """`hy-smi --json` printed something this parser does not understand."""
-
-
-@dataclass(frozen=True)
-class DcuRecord:
-    """One `card<i>` entry of hy-smi's JSON."""
-
-    index: int
-    product: str
-    memory_mib: int
-    bus_id: str | None = None  # only when hy-smi was asked for (or printed) `PCI Bus`
-
-
-@dataclass(frozen=True)
-class HySmiReport:
-    driver_version: str | None
-    dcus: tuple[DcuRecord, ...]
-
-
-@dataclass(frozen=True)
-class DcuStatus:
-    """Live figures of one `card<i>` entry; None where hy-smi printed nothing usable."""
-
-    index: int
-    bus_id: str | None = None
-    temperature_c: float | None = None
-    power_w: float | None = None
-    utilization_percent: float | None = None
-    memory_used_mib: float | None = None
-    memory_total_mib: float | None = None
-    state: str | None = None
-
-
-def parse_hy_smi_json(text: str) -> HySmiReport:
-    data, cards = _cards(text)
-    dcus = [_dcu_record(index, key, fields) for index, key, fields in cards]
-    system = data.get("system")
-    driver = _first(system, _DRIVER_KEYS) if isinstance(system, dict) else None
-    return HySmiReport(driver_version=driver, dcus=tuple(sorted(dcus, key=lambda d: d.index)))
-
-
-def parse_hy_smi_status(text: str) -> dict[int, DcuStatus]:
-    """The live figures of `hy-smi <STATUS_ARGS>` by DCU index; every figure is optional."""
-    statuses = {}
-    for index, _key, fields in _cards(text)[1]:
-        bus = _first(fields, ("PCI Bus",))
-        statuses[index] = DcuStatus(
-            index=index,
-            bus_id=bus.lower() if bus and _BUS_ID.match(bus) else None,
-            temperature_c=_float(_first(fields, _TEMPERATURE_KEYS)),
-            power_w=_float(_first(fields, _POWER_KEYS)),
-            utilization_percent=_float(_first(fields, _USE_KEYS)),
-            memory_used_mib=_mib(fields, _USED_MIB_KEYS, _USED_BYTES_KEYS),
-            memory_total_mib=_mib(fields, _MEMORY_MIB_KEYS, _MEMORY_BYTES_KEYS),
-            state=_first(fields, (STATE_KEY,)) or None,
-        )
-    return statuses
-
-
-def _cards(text: str) -> tuple[dict[str, Any], list[tuple[int, str, Mapping[str, Any]]]]:
-    """The JSON object and its `card<N>` entries in index order; HySmiParseError when garbled."""
-    try:
-        data: object = json.loads(text)
-    except json.JSONDecodeError as exc:
-        msg = f"not JSON ({exc.msg} at line {exc.lineno})"
-        raise HySmiParseError(msg) from None
-    if not isinstance(data, dict):
-        msg = f"expected a JSON object, got {type(data).__name__}"
-        raise HySmiParseError(msg)
-    cards: list[tuple[int, str, Mapping[str, Any]]] = []
-    for key, value in data.items():
-        match = _CARD.match(key)
-        if match is None:
-            continue
-        if not isinstance(value, dict):
-            msg = f"{key}: expected an object"
-            raise HySmiParseError(msg)
-        cards.append((int(match.group(1)), key, value))
-    if not cards:
-        raise HySmiParseError("no card<N> entries")
-    return data, cards
-
-
-def _float(text: str | None) -> float | None:
-    """A figure as hy-smi prints it (`45.0`, `12`); None for N/A and the like."""
-    if text is None:
-        return None
-    try:
-        value = float(text.rstrip("%CW ").strip())
-    except ValueError:
-        return None
-    return value if math.isfinite(value) else None
-
-
-def _mib(
-    fields: Mapping[str, Any], mib_keys: tuple[str, ...], byte_keys: tuple[str, ...]
-) -> float | None:
-    mib = _float(_first(fields, mib_keys))
-    if mib is not None:
-        return mib
-    in_bytes = _float(_first(fields, byte_keys))
-    return in_bytes / _MIB if in_bytes is not None else None
-
-
-def _dcu_record(index: int, key: str, fields: Mapping[str, Any]) -> DcuRecord:
-    product = _first(fields, _PRODUCT_KEYS)
-    if not product:
-        msg = f"{key}: no Card Series"
-        raise HySmiParseError(msg)
-    mib, in_bytes = _first(fields, _MEMORY_MIB_KEYS), _first(fields, _MEMORY_BYTES_KEYS)
-    if mib is not None and mib.isdigit():
-        memory = int(mib)
-    elif in_bytes is not None and in_bytes.isdigit():
-        memory = int(in_bytes) // _MIB
-    else:
-        msg = f"{key}: no numeric vram Total Memory"
-        raise HySmiParseError(msg)
-    bus = _first(fields, ("PCI Bus",))
-    if bus is not None and _BUS_ID.match(bus) is None:
-        msg = f"{key}: bad PCI Bus {bus!r}"
-        raise HySmiParseError(msg)
-    return DcuRecord(
-        index=index, product=product, memory_mib=memory, bus_id=bus.lower() if bus else None
-    )
-
-
-def _first(fields: Mapping[str, Any], keys: tuple[str, ...]) -> str | None:
-    for key in keys:
-        value = fields.get(key)
-        if value is not None:
-            return str(value).strip()
-    return None
-
-
-def parse_kfd_properties(text: str) -> dict[str, int]:
-    """A KFD topology `properties` file: one `name value` pair per line, values integers."""
-    properties = {}
-    for line in text.splitlines():
-        name, _, value = line.strip().partition(" ")
-        value = value.strip()
-        if name and value.lstrip("-").isdigit():
-            properties[name] = int(value)
-    return properties
+def smi_tool(root: HostRoot, *, hygon_cards: bool) -> Path | None:
+    """hy-smi under the root; else DTK's rocm-smi, but only where sysfs shows Hygon cards."""
+    tool = root.which(TOOL)
+    if tool is None and hygon_cards:
+        tool = root.which(FALLBACK_TOOL)
+    return tool
 
 
 @dataclass(frozen=True)
@@ -219,7 +95,7 @@ class _Card:
 def discover(root: HostRoot) -> VendorReport | None:
     log = structlog.get_logger().bind(vendor=Vendor.HYGON.value)
     cards = _hygon_cards(root)
-    tool = root.which(TOOL)
+    tool = smi_tool(root, hygon_cards=bool(cards))
     if not cards and tool is None:
         return None
     report: HySmiReport | None = None
@@ -234,6 +110,8 @@ def discover(root: HostRoot) -> VendorReport | None:
         return None
     if error is not None:
         log.warning("hygon tool failed; listing devices from sysfs only", error=error)
+    if report is not None and tool is not None:
+        warn_unreadable(log, f"{tool.name} --json", report.problems)
 
     records = _match_records(cards, report.dcus if report is not None else ())
     kfd = _kfd_gpu_nodes(root)
@@ -338,7 +216,7 @@ def _device(
     nodes: tuple[str, ...] = shared
     if card is None:
         health = Health.UNHEALTHY
-        attributes["problem"] = f"{TOOL} lists card{index} but sysfs has no Hygon DRM card for it"
+        attributes["problem"] = f"the tool lists card{index} but sysfs has no Hygon DRM card for it"
     else:
         attributes["drm_card"] = f"card{card.number}"
         own = (f"/dev/dri/card{card.number}", card.render_node or "/dev/dri/renderD?")
@@ -350,17 +228,19 @@ def _device(
             attributes["problem"] = f"missing device node {', '.join(missing)}"
         elif record is None and tool_ok:
             health = Health.UNHEALTHY
-            attributes["problem"] = f"card{card.number} is in sysfs but {TOOL} does not list it"
+            attributes["problem"] = f"card{card.number} is in sysfs but the tool does not list it"
     simd, per_cu = topology.get("simd_count", 0), topology.get("simd_per_cu", 0)
     if simd > 0 and per_cu > 0:
         attributes["compute_units"] = str(simd // per_cu)
-    memory = record.memory_mib if record is not None else topology.get("memory_bytes", 0) // _MIB
+    memory = record.memory_mib if record is not None else None
+    if memory is None:  # hy-smi did not say (or could not be read): the KFD memory bank does
+        memory = topology.get("memory_bytes", 0) // _MIB
     return Device(
         vendor=Vendor.HYGON,
         kind="dcu",
         index=index,
         id=f"hygon-dcu-{bus_id}" if bus_id is not None else f"hygon-dcu{index}",
-        product=record.product if record is not None else "unknown",
+        product=(record.product if record is not None else None) or "unknown",
         memory_mib=memory,
         numa_node=card.numa_node if card is not None else None,
         pci_bus_id=bus_id,

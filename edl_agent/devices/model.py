@@ -25,6 +25,9 @@ class Health(enum.StrEnum):
 class LinkKind(enum.StrEnum):
     NVLINK = "nvlink"
     HCCS = "hccs"  # Ascend's chip-to-chip interconnect
+    HCCS_SW = "hccs-sw"  # HCCS through an HCCS switch (Atlas A3 / 910C)
+    SIO = "sio"  # the die-to-die bus between the two dies of one Ascend A3 NPU
+    UB = "ub"  # Ascend's unified bus (Atlas 350)
     XGMI = "xgmi"  # Hygon/AMD-style GPU fabric
     XPU_LINK = "xpulink"
 

@@ -3,10 +3,11 @@ nodes are near each device. Pure data, assembly and rendering; the facts are rea
 `topology_read.py` (sysfs, KFD, npu-smi) and `nvidia_topology.py` (NVML).
 
 A pair of devices has a PCIe path (how far apart they are on the PCIe tree and across NUMA
-nodes, nearest first: PIX, PXB, PHB, NODE, SYS) and may have a direct link (NVLink, HCCS, xGMI,
-XPU Link). The matrix shows the link where there is one and the path otherwise, as
-`nvidia-smi topo -m` does; the JSON keeps both and names where each fact came from. Nothing is
-made up: a link whose source gives no count has none, and a path nothing tells is N/A.
+nodes, nearest first: PIX, PXB, PHB, NODE, SYS) and may have a direct link (NVLink, HCCS, HCCS
+through a switch, SIO between the dies of one Ascend NPU, UB, xGMI, XPU Link). The matrix shows
+the link where there is one and the path otherwise, as `nvidia-smi topo -m` does; the JSON keeps
+both and names where each fact came from. Nothing is made up: a link whose source gives no count
+has none, and a path nothing tells is N/A.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ LEGEND: Mapping[str, str] = {
     "PIX": "PCIe through at most one bridge or switch",
     "NV#": "a bond of # NVLinks",
     "HCCS": "an HCCS link (npu-smi gives no link count)",
+    "HCCS_SW": "HCCS through an HCCS switch (npu-smi gives no link count)",
+    "SIO": "the SIO bus between the two dies of one NPU",
+    "UB": "Ascend's unified bus (npu-smi gives no link count)",
     "XGMI": "an xGMI link in the KFD topology (no link count)",
     "XL#": "a bond of # XPU Links",
     "N/A": "not known",
@@ -58,6 +62,9 @@ LEGEND: Mapping[str, str] = {
 _LINK_CODES = {
     LinkKind.NVLINK: "NV",
     LinkKind.HCCS: "HCCS",
+    LinkKind.HCCS_SW: "HCCS_SW",
+    LinkKind.SIO: "SIO",
+    LinkKind.UB: "UB",
     LinkKind.XGMI: "XGMI",
     LinkKind.XPU_LINK: "XL",
 }
@@ -295,10 +302,9 @@ def render_matrix(topology: Topology) -> str:
     ]
     shown = {_legend_key(topology.facts(a, b)) for a in ids for b in ids if a != b}
     lines += ["", "Legend:", ""]
-    width = max(len(code) for code in LEGEND)
-    for code, meaning in LEGEND.items():
-        if code in ("X", *PciePath) or code in shown:
-            lines.append(f"  {code.ljust(width)} = {meaning}")
+    listed = [code for code in LEGEND if code in ("X", *PciePath) or code in shown]
+    width = max(len(code) for code in listed)
+    lines += [f"  {code.ljust(width)} = {LEGEND[code]}" for code in listed]
     lines += ["", "Sources:"]
     lines += [f"  {v.vendor.value}: {v.known}" for v in topology.vendors]
     if any(f.link is None and f.path_source is Source.SYSFS_NUMA for f in topology.pairs.values()):

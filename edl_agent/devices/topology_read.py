@@ -2,7 +2,8 @@
 
 Per vendor:
 - NVIDIA: NVML (nvidia_topology.py).
-- Ascend: `npu-smi info -t topo` (HCCS and PCIe paths between NPUs, each NPU's CPU affinity).
+- Ascend: `npu-smi info -t topo` (HCCS, HCCS_SW, SIO and UB links and PCIe paths between NPUs,
+  each NPU's CPU affinity).
 - Hygon: xGMI links between DCUs from the KFD topology's io_links.
 - Kunlunxin: nothing of its own; XPU Links are not read.
 - Every device: its PCI location, NUMA node and nearby CPUs from sysfs, which give the paths no
@@ -29,17 +30,23 @@ from edl_agent.devices.topology import (
     parse_cpulist,
     pci_location,
 )
+from edl_agent.devices.unreadable import warn_unreadable
 
 NUMA_NODES = "/sys/devices/system/node"
 KFD_IOLINK_XGMI = 11  # CRAT_IOLINK_TYPE_XGMI in the kernel's KFD topology
 ASCEND_KNOWN = (
-    "npu-smi info -t topo: HCCS links (not counted) and PCIe paths between NPUs, "
-    "CPU affinity; NUMA affinity from sysfs"
+    "npu-smi info -t topo: HCCS, HCCS_SW, SIO and UB links (not counted) and PCIe paths between "
+    "NPUs, CPU affinity where printed; NUMA affinity from sysfs"
 )
 HYGON_KNOWN = "KFD topology: xGMI links between DCUs (not counted); PCIe paths and NUMA from sysfs"
 KUNLUNXIN_KNOWN = "no XPU Link information is read; PCIe paths, CPU and NUMA affinity from sysfs"
 _PATHS = {path.value: path for path in PciePath}
-_HCCS_CELLS = frozenset({"HCCS", "HCCS_SW"})  # HCCS_SW: through an HCCS switch (Atlas A3)
+_ASCEND_LINKS = {
+    "HCCS": LinkKind.HCCS,
+    "HCCS_SW": LinkKind.HCCS_SW,  # through an HCCS switch (Atlas A3)
+    "SIO": LinkKind.SIO,  # the two dies of one A3 NPU
+    "UB": LinkKind.UB,  # unified bus (Atlas 350)
+}
 
 Reader = Callable[[HostRoot, Sequence[Device]], VendorTopology]
 
@@ -113,23 +120,22 @@ def _cpulist(text: str | None) -> frozenset[int] | None:
 
 
 def read_ascend(root: HostRoot, npus: Sequence[Device]) -> VendorTopology:
-    """HCCS and PCIe paths from `npu-smi info -t topo`, whose `NPU<i>` is the NPU id that
-    `npu-smi info` prints (the `npu_id` attribute; the device index when the table is missing).
-    NPU ids of multi-chip cards name no single device and are left out."""
+    """Links and PCIe paths from `npu-smi info -t topo`. Its `NPU<i>` is the NPU id that
+    `npu-smi info` prints (the `npu_id` attribute; the device index when the table is missing):
+    NPU ids of multi-chip cards name no single device and are left out. Its `Phy-ID<n>` (Atlas A3)
+    is the die, N of /dev/davinci<N>: the device index."""
     try:
         topo = root.read_tool(ascend.TOOL, ascend.TOPO_ARGS, ascend.parse_npu_smi_topo)
     except ToolError as exc:
         return VendorTopology(vendor=Vendor.ASCEND, known=ASCEND_KNOWN, error=str(exc))
-    by_npu: dict[int, list[Device]] = {}
-    for npu in npus:
-        by_npu.setdefault(int(npu.attributes.get("npu_id", npu.index)), []).append(npu)
-    device = {npu_id: found[0].id for npu_id, found in by_npu.items() if len(found) == 1}
+    warn_unreadable(structlog.get_logger(), f"{ascend.TOOL} info -t topo", topo.problems)
+    device = _ascend_ids(npus, by_phy_id=topo.label == "Phy-ID")
     pairs: dict[frozenset[str], PairFacts] = {}
     for (a, b), cell in topo.cells.items():
         if a == b or a not in device or b not in device:
             continue
-        if cell in _HCCS_CELLS:
-            facts = PairFacts(link=LinkKind.HCCS, link_source=Source.NPU_SMI)
+        if cell in _ASCEND_LINKS:
+            facts = PairFacts(link=_ASCEND_LINKS[cell], link_source=Source.NPU_SMI)
         elif cell in _PATHS:
             facts = PairFacts(path=_PATHS[cell], path_source=Source.NPU_SMI)
         else:
@@ -143,6 +149,17 @@ def read_ascend(root: HostRoot, npus: Sequence[Device]) -> VendorTopology:
     return VendorTopology(
         vendor=Vendor.ASCEND, known=ASCEND_KNOWN, source=Source.NPU_SMI, pairs=pairs, cpus=cpus
     )
+
+
+def _ascend_ids(npus: Sequence[Device], *, by_phy_id: bool) -> dict[int, str]:
+    """The matrix's numbers to device ids: device indexes for Phy-IDs, else NPU ids that name a
+    single device."""
+    if by_phy_id:
+        return {npu.index: npu.id for npu in npus}
+    by_npu: dict[int, list[Device]] = {}
+    for npu in npus:
+        by_npu.setdefault(int(npu.attributes.get("npu_id", npu.index)), []).append(npu)
+    return {npu_id: found[0].id for npu_id, found in by_npu.items() if len(found) == 1}
 
 
 def read_hygon(root: HostRoot, dcus: Sequence[Device]) -> VendorTopology:

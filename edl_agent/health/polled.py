@@ -22,6 +22,7 @@ import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Protocol
 
 from edl_agent.config import HealthSettings
@@ -127,28 +128,33 @@ def poll_hygon(
     *,
     clock: Clock = time.monotonic,
 ) -> PollResult:
-    """Read `hy-smi <STATUS_ARGS> --json` once: per DCU its (designed) `DCU State` and live
-    figures. Of `settings` only the tool's timeout applies (Hygon has no overrides)."""
+    """Read `hy-smi <STATUS_ARGS> --json` (DTK's rocm-smi where hy-smi is missing) once: per DCU
+    its (designed) `DCU State` and live figures. Of `settings` only the tool's timeout applies
+    (Hygon has no overrides). A DCU is matched by the PCI address its `PCI Bus` value starts
+    with; one whose entry has no address is matched by hy-smi's card index."""
     at = clock()
     mine = _of(devices, Vendor.HYGON)
+    tool = hygon.smi_tool(root, hygon_cards=True)
     try:
         statuses = root.read_tool(
-            hygon.TOOL,
+            tool or hygon.TOOL,
             hygon.STATUS_ARGS,
             hygon.parse_hy_smi_status,
             timeout=settings.tool_timeout_seconds,
         )
     except ToolError as exc:
         return _failed(Vendor.HYGON, "HY_SMI_FAILED", str(exc), at)
-    # hy-smi's card<i> is the DCU index; its PCI address, when printed, is the surer match.
     by_bus = {status.bus_id: status for status in statuses.values() if status.bus_id}
     result = _Builder(Vendor.HYGON, at)
     for device in mine:
-        status = by_bus.get(device.pci_bus_id or "") or (
-            None if by_bus else statuses.get(device.index)
-        )
+        status = by_bus.get(device.pci_bus_id or "")
         if status is None:
-            result.missing(device, "DCU_NOT_REPORTED", f"{hygon.TOOL} does not list it")
+            by_index = statuses.get(device.index)
+            status = by_index if by_index is not None and by_index.bus_id is None else None
+        if status is None:
+            result.missing(
+                device, "DCU_NOT_REPORTED", f"{_tool_name(tool, hygon.TOOL)} does not list it"
+            )
             continue
         findings = _state_findings("DCU", status.state)
         result.device(device, findings)
@@ -195,7 +201,7 @@ def poll_ascend(
             result.missing(device, "NPU_NOT_REPORTED", f"{ascend.TOOL} does not list it")
             continue
         findings = []
-        if record.health.strip().upper() != "OK":
+        if record.health is not None and record.health.strip().upper() != "OK":
             finding = _npu_finding(root, ascend.TOOL, record, settings)
             if finding is not None:
                 findings.append(finding)
@@ -260,10 +266,13 @@ def clears(active: Mapping[str | None, HealthEvent], result: PollResult) -> list
 def _npu_finding(
     root: HostRoot, tool: str, record: ascend.NpuRecord, settings: HealthSettings
 ) -> _Finding | None:
-    health, note = record.health, ""
+    health, note = record.health or "unknown", ""
     codes: tuple[int, ...] = ()
     args = [arg.format(npu=record.npu_id, chip=record.chip_id) for arg in ascend.HEALTH_ARGS]
     try:
+        if record.npu_id is None or record.chip_id is None:
+            msg = "its NPU or chip id could not be read from the table"
+            raise ToolError(msg)  # handled below like a failed query: the Health word decides
         detail = root.read_tool(
             tool, args, ascend.parse_npu_smi_health, timeout=settings.tool_timeout_seconds
         )
@@ -343,6 +352,10 @@ def _state_findings(kind: str, state: str | None) -> list[_Finding]:
     if state is None or level is None:
         return []
     return [_Finding(level, f"{kind}_STATE_{_safe(state)}", f"state {state}")]
+
+
+def _tool_name(path: Path | None, default: str) -> str:
+    return path.name if path is not None else default
 
 
 def _of(devices: Sequence[Device], vendor: Vendor) -> list[Device]:

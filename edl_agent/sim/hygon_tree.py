@@ -2,9 +2,13 @@
 
 Like a real server, the node also has a BMC VGA adapter as DRM `card0` (PCI vendor 0x1a03, no
 render node), so DCU `i` is `card<i+1>`: discovery must not equate DCU index and card number.
-The stand-in prints `hy-smi.json` (any `--json` call) or `hy-smi.txt` (no arguments), kept next
-to it; rewrite them to simulate faults. Each card carries a designed `DCU State` field (Normal,
-Warning, Fault, Lost) that real hy-smi does not print; `set_dcu_state` rewrites it.
+The stand-in prints `<tool>.json` (any `--json` call) or `<tool>.txt` (no arguments), kept next
+to it; rewrite them to simulate faults. The tool is hy-smi, or DTK's rocm-smi on an older node
+without hy-smi (profile `tool`). Its JSON is strict as rocm-smi prints it, or (profile
+`json_style: bw`) as hy-smi prints it on BW nodes: commas missing between some keys, `"": ""`
+twice per card, `PCI Bus` values carrying serial number and OAM id
+(tests/fixtures/real/hygon/). Each card carries a designed `DCU State` field (Normal, Warning,
+Fault, Lost) that real hy-smi does not print; `set_dcu_state` rewrites it in place.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from edl_agent.sim.profile import HygonSpec, Profile, numa_node_of, pci_bus_id, 
 TOOL = "/opt/hyhal/bin/hy-smi"
 JSON_OUTPUT = "/opt/hyhal/bin/hy-smi.json"
 TABLE_OUTPUT = "/opt/hyhal/bin/hy-smi.txt"
+ROCM_TOOL = "/opt/dtk/bin/rocm-smi"  # DTK's, on nodes without hy-smi
+TOOLS = (TOOL, ROCM_TOOL)
 PCI_VENDOR = "0x1d94"
 BMC_VGA_BUS = "0000:03:00.0"
 KFD_NODES = "/sys/class/kfd/kfd/topology/nodes"
@@ -28,11 +34,11 @@ _STATE_WORD = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,31}$")
 
 SCRIPT = """#!/bin/sh
 # hy-smi stand-in for a simulated node: prints the recorded output kept next to this script.
-here=$(dirname "$0")
+here=$(dirname "$0") name=$(basename "$0")
 case " $* " in
-  *" --json "*) exec cat "$here/hy-smi.json" ;;
-  "  ") exec cat "$here/hy-smi.txt" ;;
-  *) echo "hy-smi (simulated): unsupported arguments: $*" >&2; exit 2 ;;
+  *" --json "*) exec cat "$here/$name.json" ;;
+  "  ") exec cat "$here/$name.txt" ;;
+  *) echo "$name (simulated): unsupported arguments: $*" >&2; exit 2 ;;
 esac
 """
 
@@ -89,9 +95,16 @@ def write(spec: HygonSpec, profile: Profile, root: Path) -> None:
         kfd_node = f"{KFD_NODES}/{profile.node.numa_nodes + dcu.index}"
         write_file(root, f"{kfd_node}/properties", _kfd_gpu_properties(dcu, profile))
         write_file(root, f"{kfd_node}/mem_banks/0/properties", _kfd_memory(dcu))
-    write_file(root, JSON_OUTPUT, hy_smi_json(spec.driver_version, dcus))
-    write_file(root, TABLE_OUTPUT, hy_smi_table(dcus))
-    write_file(root, TOOL, SCRIPT, mode=0o755)
+    tool = ROCM_TOOL if spec.tool == "rocm-smi" else TOOL
+    if spec.tool == "rocm-smi":
+        json_text = rocm_smi_json(spec.driver_version, dcus)
+    elif spec.json_style == "bw":
+        json_text = hy_smi_bw_json(spec.driver_version, dcus)
+    else:
+        json_text = hy_smi_json(spec.driver_version, dcus)
+    write_file(root, tool + ".json", json_text)
+    write_file(root, tool + ".txt", hy_smi_table(dcus))
+    write_file(root, tool, SCRIPT, mode=0o755)
 
 
 def _write_pci_card(
@@ -176,20 +189,93 @@ def hy_smi_table(dcus: list[SimDcu]) -> str:
     return "\n".join([title, rule, head, *rows, rule, end]) + "\n"
 
 
+def hy_smi_bw_json(driver_version: str, dcus: list[SimDcu]) -> str:
+    """hy-smi's JSON as BW nodes print it (tests/fixtures/real/hygon/bw-hy-smi-json-malformed.txt):
+    one line, no comma after two of the power keys, `"": ""` twice, `PCI Bus` with serial number
+    and OAM id (bw-hy-smi-showbus.json)."""
+
+    def pair(key: str, value: str) -> str:
+        return f"{json.dumps(key)}: {json.dumps(value)}"
+
+    cards = []
+    for dcu in dcus:
+        serial = "01-000206-" + stable_uuid("hygon-bw-serial", dcu.index // 8)[:6].upper()
+        power = pair("Average Graphics Package Power (W)", f"{84.0 + dcu.index:.1f}")
+        power += pair("Average GFX Core Power (W)", "16.0")  # the missing commas, as printed
+        power += pair("Average Memory Power (W)", "34.0")
+        fields = [
+            pair("Card Series", dcu.product),
+            pair("Card Vendor", "C-3000 IC Design Co., Ltd."),
+            power,
+            pair("Temperature (Sensor edge) (C)", f"{50.0 + dcu.index % 4:.1f}"),
+            pair("Temperature (Sensor junction) (C)", f"{53.0 + dcu.index % 4:.1f}"),
+            pair("HCU use (%)", "0.0"),
+            pair("HCU memory use (%)", "0"),
+            pair("", ""),
+            pair("", ""),
+            pair("vram Total Memory (MiB)", str(dcu.memory_mib)),
+            pair("vram Total Used Memory (MiB)", "3"),
+            pair("PCI Bus", f"{dcu.bus_id} --> SN: {serial} --> OAM ID: {dcu.index % 8 + 1}"),
+            pair("DCU State", "Normal"),  # designed: see the module docstring
+        ]
+        cards.append(f'"card{dcu.index}": {{{", ".join(fields)}}}')
+    system = f'"system": {{{pair("Driver version", driver_version)}}}'
+    return "{" + ", ".join([*cards, system]) + "}\n"
+
+
+def rocm_smi_json(driver_version: str, dcus: list[SimDcu]) -> str:
+    """DTK's rocm-smi JSON as AMD's rocm-smi prints it: memory in bytes, `GPU use (%)`, the bus
+    id under `PCI Bus`. Reconstructed from rocm-smi's key names (no public DTK sample was found):
+    tests/fixtures/reconstructed/hygon/."""
+    data: dict[str, dict[str, str]] = {
+        f"card{dcu.index}": {
+            "Card series": dcu.product,
+            "Card vendor": "Chengdu Haiguang IC Design Co., Ltd.",
+            "PCI Bus": dcu.bus_id.upper(),
+            "Temperature (Sensor junction) (C)": f"{38.0 + dcu.index % 4:.1f}",
+            "Average Graphics Package Power (W)": "60.0",
+            "GPU use (%)": "0",
+            "VRAM Total Memory (B)": str(dcu.memory_mib * 1024 * 1024),
+            "VRAM Total Used Memory (B)": str(3 * 1024 * 1024),
+            "DCU State": "Normal",  # designed: see the module docstring
+        }
+        for dcu in dcus
+    }
+    data["system"] = {"Driver version": driver_version}
+    return json.dumps(data, indent=4) + "\n"
+
+
 def set_dcu_state(root: Path, index: int, state: str) -> None:
-    """Make DCU `index` (hy-smi's `card<index>`) report `state` (Normal, Warning, Fault, Lost,
-    ...) in `hy-smi --json`. ValueError (one line) for a bad argument or a tree without DCUs."""
-    path = root / JSON_OUTPUT.lstrip("/")
-    if not path.is_file():
+    """Make DCU `index` (the tool's `card<index>`) report `state` (Normal, Warning, Fault, Lost,
+    ...) in its JSON, edited in place so that a BW node's malformed JSON stays as malformed.
+    ValueError (one line) for a bad argument or a tree without DCUs."""
+    path = json_output(root)
+    if path is None:
         msg = f"{root}: no simulated Hygon DCUs (no {JSON_OUTPUT})"
         raise ValueError(msg)
     if not _STATE_WORD.match(state):
         msg = f"state {state!r}: expected one word, e.g. Fault"
         raise ValueError(msg)
-    data = json.loads(path.read_text(encoding="utf-8"))
-    card = data.get(f"card{index}") if index >= 0 else None
-    if not isinstance(card, dict):
+    field = re.compile(rf'("card{max(index, 0)}"\s*:\s*{{[^{{}}]*?"DCU State"\s*:\s*")[^"]*"')
+    text = path.read_text(encoding="utf-8")
+    edited, found = field.subn(lambda m: f'{m.group(1)}{state}"', text, count=1)
+    if index < 0 or not found:
         msg = f"{root}: no simulated DCU {index}"
         raise ValueError(msg)
-    card["DCU State"] = state
-    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    path.write_text(edited, encoding="utf-8")
+
+
+def json_output(root: Path) -> Path | None:
+    """The JSON the simulated hy-smi (or rocm-smi) prints, if the tree has one."""
+    for tool in TOOLS:
+        path = root / (tool + ".json").lstrip("/")
+        if path.is_file():
+            return path
+    return None
+
+
+def count_dcus(root: Path) -> int:
+    """How many `card<N>` entries the simulated tool's JSON has (0 without simulated DCUs)."""
+    path = json_output(root)
+    text = path.read_text(encoding="utf-8") if path is not None else ""
+    return len(set(re.findall(r'"card(\d+)"\s*:', text)))

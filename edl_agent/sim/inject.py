@@ -8,9 +8,7 @@ every vendor. Errors are ValueErrors with a one-line message naming the tree and
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +29,7 @@ MAX_XID = 2**32 - 1
 _VENDOR_MARKERS = {
     Vendor.NVIDIA: (nvidia_tree.DATA, "/dev/nvidiactl"),
     Vendor.KUNLUNXIN: ("/dev/xpuctrl", kunlunxin_tree.TOOL),
-    Vendor.HYGON: ("/dev/kfd", hygon_tree.TOOL),
+    Vendor.HYGON: ("/dev/kfd", *hygon_tree.TOOLS),
     Vendor.ASCEND: ("/dev/davinci_manager", ascend_tree.TOOL),
 }
 
@@ -91,14 +89,14 @@ def reboot(root: Path) -> str:
     if host.exists(nvidia_tree.DATA):
         _append(root, "reboot")
         done.append("NVIDIA driver state cleared")
-    for kind, reset, count in (
-        (Vendor.ASCEND, lambda i: ascend_tree.set_npu_health(root, i, "OK"), _count_npus),
-        (Vendor.KUNLUNXIN, lambda i: reset_device(root, Vendor.KUNLUNXIN, i), _count_xpus),
-        (Vendor.HYGON, lambda i: hygon_tree.set_dcu_state(root, i, "Normal"), _count_dcus),
+    for kind, count in (
+        (Vendor.ASCEND, ascend_tree.count_npus),
+        (Vendor.KUNLUNXIN, _count_xpus),
+        (Vendor.HYGON, hygon_tree.count_dcus),
     ):
         devices = count(root)
         for index in range(devices):
-            reset(index)
+            reset_device(root, kind, index)
         if devices:
             done.append(f"{devices} {kind.value} devices reset")
     return ", ".join(done)
@@ -287,20 +285,6 @@ def _hygon_nodes(root: Path, host: HostRoot, index: int) -> list[str]:
     return [f"/dev/dri/{name.rsplit('/', 1)[-1]}" for name in [card, *renders]]
 
 
-def _count_npus(root: Path) -> int:
-    pattern = re.compile(r"npu-smi\.health\.(\d+)\.txt$")
-    directory = root / ascend_tree.TOOL.lstrip("/")
-    return sum(1 for p in directory.parent.glob("npu-smi.health.*.txt") if pattern.search(p.name))
-
-
 def _count_xpus(root: Path) -> int:
     path = root / kunlunxin_tree.QUERY_OUTPUT.lstrip("/")
     return path.read_text(encoding="utf-8").count("\nXPU ") if path.is_file() else 0
-
-
-def _count_dcus(root: Path) -> int:
-    path = root / hygon_tree.JSON_OUTPUT.lstrip("/")
-    if not path.is_file():
-        return 0
-    data = json.loads(path.read_text(encoding="utf-8"))
-    return sum(1 for key in data if re.fullmatch(r"card\d+", key))

@@ -149,7 +149,7 @@ def _only_vendor(root: Path, *, polled: bool = False) -> Vendor:
         )
         if host.glob("/dev", pattern)
     ]
-    if host.exists(hygon_tree.TOOL):
+    if any(host.exists(tool) for tool in hygon_tree.TOOLS):
         present.append(Vendor.HYGON)
     if polled:
         present = [v for v in present if v is not Vendor.NVIDIA]

@@ -1,9 +1,12 @@
 """Kunlunxin XPUs of a simulated node: `/dev/xpu<N>`, PCI sysfs entries and an `xpu-smi` stand-in.
 
 The stand-in is a shell script that prints the recorded output kept next to it
-(`xpu-smi.q.txt` for `-q`, `xpu-smi.L.txt` for `-L`); rewrite those files to simulate faults.
-Each XPU block carries a designed `XPU State` line (Normal, Warning, Fault, Lost) that real
-xpu-smi does not print; `set_xpu_state` rewrites it.
+(`xpu-smi.q.txt` for `-q`, `xpu-smi.L.txt` for `-L`) in the layouts of the real samples in
+tests/fixtures/real/kunlunxin/ (`-L`: `XPU i: <name>  <uuid>`); rewrite those files to simulate
+faults. xpu-smi numbers XPUs in PCI order; /dev/xpu<N> is numbered by the driver's minor number,
+which the profile may set apart from that order (`minor_numbers`). Each XPU block carries a
+designed `XPU State` line (Normal, Warning, Fault, Lost) that real xpu-smi does not print;
+`set_xpu_state` rewrites it.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ esac
 
 @dataclass(frozen=True)
 class SimXpu:
-    index: int
+    index: int  # xpu-smi's, in PCI order
+    minor: int  # N of /dev/xpu<N>
     product: str
     memory_mib: int
     bus_id: str  # sysfs form
@@ -54,6 +58,7 @@ def xpus_of(spec: KunlunxinSpec, profile: Profile) -> list[SimXpu]:
         xpus.append(
             SimXpu(
                 index=index,
+                minor=spec.minor_numbers[index] if spec.minor_numbers else index,
                 product=group.product,
                 memory_mib=group.memory_mib,
                 bus_id=pci_bus_id(VENDOR_SLOT["kunlunxin"], index),
@@ -69,7 +74,7 @@ def write(spec: KunlunxinSpec, profile: Profile, root: Path) -> None:
     xpus = xpus_of(spec, profile)
     write_file(root, "/dev/xpuctrl", mode=0o666)
     for xpu in xpus:
-        write_file(root, f"/dev/xpu{xpu.index}", mode=0o666)
+        write_file(root, f"/dev/xpu{xpu.minor}", mode=0o666)
         sysfs = f"/sys/bus/pci/devices/{xpu.bus_id}"
         write_file(root, f"{sysfs}/vendor", PCI_VENDOR + "\n")
         write_file(root, f"{sysfs}/device", PCI_DEVICE + "\n")
@@ -86,12 +91,13 @@ def _smi_bus_id(bus_id: str) -> str:
 
 
 def xpu_smi_list(xpus: list[SimXpu]) -> str:
-    # `XPU <i>: <bus id>`, as public xpu-smi wrappers parse it (unverified against a real node).
-    return "".join(f"XPU {xpu.index}: {_smi_bus_id(xpu.bus_id)}\n" for xpu in xpus)
+    """`xpu-smi -L` as driver 5.0.21.47 prints it: `XPU <i>: <product>  <uuid>`."""
+    return "".join(f"XPU {xpu.index}: {xpu.product}  {xpu.uuid}\n" for xpu in xpus)
 
 
 def xpu_smi_query(driver_version: str, xpus: list[SimXpu]) -> str:
-    """`xpu-smi -q` laid out like a recorded P800 sample (the fields read here, plus a few)."""
+    """`xpu-smi -q` laid out like the recorded P800 samples (driver 5.0.21.x): the sections and
+    keys they show, values per XPU; `XPU State` is designed (see the module docstring)."""
     lines = [
         "==============XPUSMI LOG==============",
         "",
@@ -110,8 +116,11 @@ def xpu_smi_query(driver_version: str, xpus: list[SimXpu]) -> str:
             _kv(1, "Product Architecture", "KL3"),
             _kv(1, "Serial Number", xpu.serial_number),
             _kv(1, "XPU UUID", xpu.uuid),
-            _kv(1, "Minor Number", str(xpu.index)),
+            _kv(1, "Minor Number", str(xpu.minor)),
+            _kv(1, "PCIe Id", str(xpu.index)),
             _kv(1, "XPU State", "Normal"),  # designed: see the module docstring
+            "    Firmware Version",
+            _kv(2, "ALL Version", "1.0.2.14.1.54"),
             "    PCI",
             _kv(2, "Bus", f"0x{bus}"),
             _kv(2, "Device", f"0x{rest.split('.')[0]}"),
@@ -121,26 +130,31 @@ def xpu_smi_query(driver_version: str, xpus: list[SimXpu]) -> str:
             _kv(2, "Bus Id", _smi_bus_id(xpu.bus_id)),
             "    Memory Usage",
             _kv(2, "Total", f"{xpu.memory_mib} MiB"),
+            _kv(2, "Reserved", "0 MiB"),
             _kv(2, "Used", "0 MiB"),
             _kv(2, "Free", f"{xpu.memory_mib} MiB"),
+            "    Utilization",
+            _kv(2, "Xpu", "0 %"),
             "    ECC Errors",
             "        Volatile",
             _kv(3, "DRAM Correctable", "0"),
             _kv(3, "DRAM Uncorrectable", "0"),
+            "        Aggregate",
+            _kv(3, "DRAM Correctable", "0"),
+            _kv(3, "DRAM Uncorrectable", "0"),
             "    Temperature",
             _kv(2, "XPU Current Temp", f"{40 + xpu.index % 5} C"),
-            # Power Draw and Xpu as public P800 collectors read them; section names unverified.
             "    Power Readings",
+            _kv(2, "Enforced Power Limit", "350.00 W"),
             _kv(2, "Power Draw", f"{85.0 + xpu.index * 0.5:.2f} W"),
-            "    Utilization",
-            _kv(2, "Xpu", "0 %"),
             _kv(1, "Processes", "None"),
         ]
     return "\n".join(lines) + "\n"
 
 
 def _kv(level: int, key: str, value: str) -> str:
-    """A `Key : Value` line; xpu-smi aligns the colons at column 42."""
+    """A `Key : Value` line; xpu-smi aligns the colons at column 42 (the samples' top-level
+    keys; their block keys sit at the heading's column in one sample, 4 deeper in the other)."""
     indent = "    " * level
     return f"{indent}{key:<{42 - len(indent)}}: {value}"
 

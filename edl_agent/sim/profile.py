@@ -87,8 +87,17 @@ class XpuSpec:
 
 @dataclass(frozen=True)
 class KunlunxinSpec:
+    """`minor_numbers`: N of /dev/xpu<N> for each XPU in xpu-smi's (PCI) order, where it is not
+    that order; the default numbers them 0, 1, 2, ..."""
+
     driver_version: str
     xpus: tuple[XpuSpec, ...]
+    minor_numbers: tuple[int, ...] = ()
+
+    def check(self) -> None:
+        count = sum(group.count for group in self.xpus)
+        if self.minor_numbers and sorted(self.minor_numbers) != list(range(count)):
+            raise ValueError(f"minor_numbers: a permutation of 0-{count - 1}, one per XPU")
 
 
 @dataclass(frozen=True)
@@ -101,15 +110,34 @@ class DcuSpec:
 
 @dataclass(frozen=True)
 class HygonSpec:
+    """`tool`: hy-smi, or DTK's rocm-smi on older nodes without hy-smi. `json_style`: `strict` as
+    rocm-smi prints it, or `bw` as hy-smi prints it on BW nodes (missing commas, repeated `"": ""`
+    keys, `PCI Bus` values carrying serial number and OAM id)."""
+
     driver_version: str
     dcus: tuple[DcuSpec, ...]
+    tool: Literal["hy-smi", "rocm-smi"] = "hy-smi"
+    json_style: Literal["strict", "bw"] = "strict"
 
 
 @dataclass(frozen=True)
 class NpuSpec:
-    product: str  # chip name as npu-smi prints it, e.g. 910B3
+    """`count` identical NPUs (cards), each with `chips` chips: 2 for an Atlas A3 NPU (two dies)
+    or an Atlas 300I Duo card (two 310P chips)."""
+
+    product: str  # chip name as npu-smi prints it: 910B3, Ascend910 (A3), 310P3
     memory_mib: int
     count: int = 1
+    chips: int = 1
+    npu_ids: tuple[int, ...] = ()  # NPU ids as npu-smi numbers the cards; default consecutive
+    first_npu_id: int = 0
+    ddr_mib: int = 0  # the Memory-Usage total npu-smi prints beside HBM (910A)
+
+    def check(self) -> None:
+        if self.count < 1 or self.chips < 1:
+            raise ValueError("count and chips: must be at least 1")
+        if self.npu_ids and len(self.npu_ids) != self.count:
+            raise ValueError("npu_ids: one per NPU (count)")
 
 
 @dataclass(frozen=True)
