@@ -30,9 +30,9 @@ def mount_then_run(state: Path, how: str, agent: list[str]) -> list[str]:
     or read-only (`read-only`), then the agent in its place."""
     fill = f"(dd if=/dev/zero of={state}/fill bs=4k; mkdir {state}/a {state}/b) 2>/dev/null || true"
     script = [
-        f"mount -t tmpfs -o size=16k,nr_inodes=4 tmpfs {state}",
+        f"mount -n -t tmpfs -o size=16k,nr_inodes=4 tmpfs {state}",
         fill,  # no space left, no inode left
-        *([f"mount -o remount,ro {state}"] if how == "read-only" else []),
+        *([f"mount -n -o remount,ro {state}"] if how == "read-only" else []),
         "exec " + shlex.join(agent),
     ]
     return ["unshare", "--mount", "--propagation", "private", "sh", "-ec", "; ".join(script)]
