@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import http.client
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,15 +12,10 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.kubelet_standin import KubeletStandIn
+from tests.prometheus_runner import free_port
 from tests.waiting import wait_for
 
 TIMEOUT = 60.0
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def readyz(port: int) -> tuple[int, str]:

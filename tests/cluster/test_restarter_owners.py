@@ -7,7 +7,7 @@ condition. A StatefulSet's pod on a cut-off node is deleted gracefully, never fo
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -146,17 +146,9 @@ def test_a_controller_owned_pod_on_a_dead_node_leaves_as_a_disruption(
     k8s.make_node_not_ready(node)
 
     seen: list[dict[str, Any]] = []
-    stream = watch.Watch().stream(
-        k8s.core.list_namespaced_pod,
-        k8s.namespace,
-        field_selector=f"metadata.name={name}",
-        resource_version=since,
-        timeout_seconds=30,
-    )
-    for event in stream:
-        pod = k8s.api.sanitize_for_serialization(event["object"])
+    for kind, pod in pod_states(k8s, name, since):
         seen.append(pod)
-        if event["type"] == "DELETED":
+        if kind == "DELETED":
             break
     else:
         job = job_status(objects, k8s.namespace, "train")
@@ -253,6 +245,14 @@ def first_change(
     k8s: KwokCluster, name: str, since: str, wanted: Callable[[dict[str, Any]], object]
 ) -> dict[str, Any]:
     """The first state of pod `name` after resourceVersion `since` for which `wanted` holds."""
+    for _kind, pod in pod_states(k8s, name, since):
+        if wanted(pod):
+            return pod
+    raise AssertionError(f"pod {name} never changed as waited for")
+
+
+def pod_states(k8s: KwokCluster, name: str, since: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(event type, pod) for each change of pod `name` after resourceVersion `since`, for 30 s."""
     stream = watch.Watch().stream(
         k8s.core.list_namespaced_pod,
         k8s.namespace,
@@ -261,7 +261,4 @@ def first_change(
         timeout_seconds=30,
     )
     for event in stream:
-        pod: dict[str, Any] = k8s.api.sanitize_for_serialization(event["object"])
-        if wanted(pod):
-            return pod
-    raise AssertionError(f"pod {name} never changed as waited for")
+        yield event["type"], k8s.api.sanitize_for_serialization(event["object"])
