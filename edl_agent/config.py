@@ -80,7 +80,7 @@ class PluginSettings:
 def _default_reset_commands() -> dict[str, list[str]]:
     return {
         "nvidia": ["nvidia-smi", "--gpu-reset", "-i", "{index}"],
-        "ascend": ["npu-smi", "set", "-t", "reset", "-i", "{index}", "-c", "0"],
+        "ascend": ["npu-smi", "set", "-t", "reset", "-i", "{npu_id}", "-c", "{chip_id}"],
     }
 
 
@@ -93,8 +93,10 @@ class RemediationSettings:
     )
     commands: dict[str, list[str]] = section(
         _default_reset_commands,
-        "The reset command per vendor, its first word a tool found under the host root and "
-        "`{index}` the device's index. Vendors without one are never reset by the agent.",
+        "The reset command per vendor, its first word a tool found under the host root; `{index}` "
+        "is the device's index and `{NAME}` any of its attributes (`discover` lists them, e.g. "
+        "Ascend's `{npu_id}` and `{chip_id}`). A device lacking one is not reset. Vendors "
+        "without a command are never reset by the agent.",
     )
     max_per_hour: int = setting(4, "Resets per node in any hour; one device at a time.")
     max_attempts: int = setting(

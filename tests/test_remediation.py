@@ -21,6 +21,16 @@ from tests.waiting import wait_until
 GPUS = [Device(Vendor.NVIDIA, "gpu", i, f"GPU-{i}", "H100", 81559) for i in range(4)]
 MIG = Device(Vendor.NVIDIA, "mig", 0, "MIG-0", "H100 1g", 9000, parent="GPU-1")
 NPU = Device(Vendor.ASCEND, "npu", 0, "npu-0", "Ascend910B3", 65536)
+# The second die of an A3 NPU: npu-smi names it by NPU id and chip id, not by /dev/davinci index.
+A3_DIE = Device(
+    Vendor.ASCEND,
+    "npu-3",
+    3,
+    "npu-3",
+    "Ascend910",
+    65536,
+    attributes={"npu_id": "1", "chip_id": "1"},
+)
 ON = RemediationSettings(enabled=True, max_per_hour=2, max_attempts=2)
 
 
@@ -73,9 +83,18 @@ def test_record_counts_failures_until_a_success() -> None:
     assert [a.at for a in history.attempts] == [4000]  # older than an hour: dropped
 
 
-def test_command_for_fills_in_the_index() -> None:
+def test_command_for_fills_in_the_index_and_the_device_attributes() -> None:
     assert command_for(GPUS[3], ON) == ["nvidia-smi", "--gpu-reset", "-i", "3"]
-    assert command_for(NPU, ON) == ["npu-smi", "set", "-t", "reset", "-i", "0", "-c", "0"]
+    assert command_for(A3_DIE, ON) == ["npu-smi", "set", "-t", "reset", "-i", "1", "-c", "1"]
+    custom = RemediationSettings(commands={"ascend": ["reset-npu", "--dev={index}", "{chip_id}"]})
+    assert command_for(A3_DIE, custom) == ["reset-npu", "--dev=3", "1"]
+
+
+def test_a_device_lacking_what_its_command_names_is_never_chosen() -> None:
+    """An NPU npu-smi did not list has no NPU id: resetting `-i {index}` would reset another."""
+    assert command_for(NPU, ON) is None
+    chosen = choose(waiting=[NPU, A3_DIE], held=set(), history=History(), now=0, settings=ON)
+    assert chosen == A3_DIE
 
 
 @contextlib.contextmanager

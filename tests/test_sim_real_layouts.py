@@ -13,13 +13,14 @@ from typing import Any
 import pytest
 
 from edl_agent.cli import main
-from edl_agent.config import HealthSettings
+from edl_agent.config import HealthSettings, RemediationSettings
 from edl_agent.devices import ascend, hygon, kunlunxin
 from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.kunlunxin_smi import parse_xpu_smi_list
 from edl_agent.devices.model import Device, VendorReport
 from edl_agent.health.model import Level
 from edl_agent.health.polled import poll_ascend, poll_hygon, poll_kunlunxin
+from edl_agent.health.remediation import Remediator, command_for, validate_reset
 from edl_agent.sim import ascend_tree, hygon_tree, inject, kunlunxin_tree
 from edl_agent.sim.profile import Profile, load_profile, parse_profile, pci_bus_id
 from edl_agent.sim.tree import build_tree
@@ -118,6 +119,22 @@ def test_300i_duo_health_reaches_the_right_chip(tmp_path: Path) -> None:
     }
     health = root.path(ascend_tree.CHIP_HEALTH_OUTPUT.format(npu=4, chip=1)).read_text()
     assert "80E18402" in health
+
+
+def test_a_reset_reaches_the_card_npu_smi_names(tmp_path: Path) -> None:
+    """`/dev/davinci5` is chip 1 of NPU 4: the default command resets `-i 4 -c 1` (with the
+    device index it would have reset NPU 5, another card)."""
+    root, devices = built(load_profile("ascend-300i-duo"), tmp_path, ascend.discover)
+    ascend_tree.set_npu_health(tmp_path, 5, "Critical", [0x80E18402])
+    ascend_tree.set_npu_health(tmp_path, 6, "Critical", [0x80E18402])  # NPU 5, chip 0
+    settings = RemediationSettings(enabled=True)
+    chip = next(d for d in devices if d.index == 5)
+    assert command_for(chip, settings) == ["npu-smi", "set", "-t", "reset", "-i", "4", "-c", "1"]
+    outcome = Remediator(
+        root, settings, validate=lambda d: validate_reset(root, d, SETTINGS)
+    ).reset(chip)
+    assert outcome.ok, outcome.detail
+    assert set(events(poll_ascend(root, devices, SETTINGS))) == {"ascend-npu6"}
 
 
 def test_300i_duo_topology_is_unsupported_not_an_error(capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,6 +13,7 @@ reset that fails, or that validation does not confirm, counts as an attempt; aft
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -23,6 +24,7 @@ from edl_agent.health.nvml_reset import ACTION_NONE, LOST, RECOVERY_ACTION, read
 from edl_agent.health.polled import POLLERS, poll
 
 HOUR = 3600.0
+_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,7 @@ def choose(
             continue
         if history.failures.get(device.id, 0) >= settings.max_attempts:
             continue
-        if device.id in held:
+        if device.id in held or command_for(device, settings) is None:
             continue
         return device
     return None
@@ -82,12 +84,17 @@ def record(history: History, attempt: Attempt, *, now: float) -> History:
     return History(attempts, failures)
 
 
-def command_for(device: Device, settings: RemediationSettings) -> list[str]:
-    """The vendor's command with `{index}` filled in."""
-    return [
-        word.replace("{index}", str(device.index))
-        for word in settings.commands[device.vendor.value]
-    ]
+def command_for(device: Device, settings: RemediationSettings) -> list[str] | None:
+    """The vendor's command with `{index}` and `{attribute}` filled in from the device; None
+    when it names an attribute the device lacks (an NPU whose id npu-smi did not list)."""
+    values = {"index": str(device.index), **device.attributes}
+    filled = []
+    for word in settings.commands[device.vendor.value]:
+        for name in _PLACEHOLDER.findall(word):
+            if name not in values:
+                return None
+        filled.append(_PLACEHOLDER.sub(lambda m: values[m.group(1)], word))
+    return filled
 
 
 def held_ids(devices: Iterable[Device], holders: Collection[str]) -> frozenset[str]:
@@ -123,6 +130,8 @@ class Remediator:
     def reset(self, device: Device) -> Outcome:
         """Run the reset command; then `validate` (None: the device reads clean, else why not)."""
         command = command_for(device, self.settings)
+        if command is None:
+            return Outcome(device, ok=False, detail="the reset command names what the device lacks")
         try:
             output = self.root.read_tool(
                 command[0],

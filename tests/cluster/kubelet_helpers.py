@@ -24,7 +24,7 @@ from scheduler import Process, free_port, spawn
 from edl_agent._proto.podresources.v1 import api_pb2, api_pb2_grpc
 from edl_agent.sim.profile import load_profile
 from edl_agent.sim.tree import build_tree
-from tests.waiting import wait_for
+from tests.waiting import WaitTimeout, wait_for
 
 EDL_AGENT = str(Path(sys.executable).with_name("edl-agent"))
 IMAGE = "registry.invalid/edl/worker:test"  # the fake runtime "pulls" anything
@@ -227,12 +227,43 @@ def claim_pod(name: str, claim: str, *, request: str = "devices") -> client.V1Po
 
 
 def wait_phase(core: client.CoreV1Api, namespace: str, name: str, phase: str, **kw: Any) -> Any:
-    return wait_for(
-        f"{namespace}/{name} {phase}",
-        lambda: core.read_namespaced_pod(name, namespace),
-        lambda pod: pod.status.phase == phase,
-        **kw,
-    )
+    try:
+        return wait_for(
+            f"{namespace}/{name} {phase}",
+            lambda: core.read_namespaced_pod(name, namespace),
+            lambda pod: pod.status.phase == phase,
+            **kw,
+        )
+    except WaitTimeout as exc:
+        raise WaitTimeout(
+            f"{namespace}/{name} not {phase}: {pod_story(core, namespace, name)}"
+        ) from exc
+
+
+def pod_story(core: client.CoreV1Api, namespace: str, name: str) -> str:
+    """What a failing wait needs to know of a pod: its phase, node, conditions, containers'
+    states and the events about it (not its managed fields)."""
+    try:
+        pod = core.read_namespaced_pod(name, namespace)
+    except client.ApiException as exc:
+        return f"cannot be read ({exc.status} {exc.reason})"
+    status = pod.status
+    lines = [f"phase {status.phase} on node {pod.spec.node_name}"]
+    lines += [
+        f"condition {c.type}={c.status} {c.reason or ''} {c.message or ''}".rstrip()
+        for c in status.conditions or []
+    ]
+    for container in status.container_statuses or []:
+        state = container.state.to_dict() if container.state else {}
+        lines.append(f"container {container.name}: {json.dumps(state, default=str)}")
+    events = core.list_namespaced_event(
+        namespace, field_selector=f"involvedObject.name={name}"
+    ).items
+    lines += [
+        f"event {e.type} {e.reason} ({e.source.component if e.source else '?'}): {e.message}"
+        for e in events
+    ]
+    return "\n  ".join(lines)
 
 
 def created_containers(node: testnode.Node, namespace: str, pod: str) -> list[dict[str, Any]]:
