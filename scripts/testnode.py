@@ -29,6 +29,14 @@ The fake runtime (scripts/fakecri, built by k8s-binaries) answers kubelet's CRI 
 every CreateContainer and lets a test make a running container exit with a code
 (``exit_container``), after which kubelet reports it and applies the pod's restartPolicy.
 
+In exec mode (``exec_mode=True``, ``test-node up --exec``) the runtime runs each container's
+command as a host process: it is started in the namespace (which it owns, kubelet joins it with
+nsenter), each pod gets its own loopback address from the node's /16 of 127/8 (``pod_ip_range``,
+unique among the nodes of one control plane), logs go where kubelet reads them (the host sees
+/var/log as NODE_DIR/mnt/varlog: ``Node.host_path``), exit codes are the processes' own, and the
+env edits of the CDI devices are applied from the specs in ``cdi_dirs``. Kubelet accepts anonymous
+requests on its port then, so that the API server's pods/log reaches it.
+
 Standard library only (plus the openssl CLI, mount and unshare).
 """
 
@@ -47,7 +55,7 @@ import ssl
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,7 +98,7 @@ def preflight() -> str | None:
     missing = []
     if os.geteuid() != 0:
         missing.append("root (kubelet mounts in its own mount namespace)")
-    for tool in ("unshare", "mount", "openssl"):
+    for tool in ("unshare", "nsenter", "mount", "openssl"):
         if shutil.which(tool) is None:
             missing.append(f"the {tool} command")
     try:
@@ -203,9 +211,13 @@ def _write_kubeconfig(paths: Paths, server: str, ca_file: Path, crt: Path, key: 
     paths.kubeconfig.chmod(0o600)
 
 
-def kubelet_config(paths: Paths, *, port: int, healthz_port: int) -> dict[str, object]:
-    """A KubeletConfiguration that runs on a 2-core cgroup-v1 machine without touching it."""
-    return {
+def kubelet_config(
+    paths: Paths, *, port: int, healthz_port: int, exec_mode: bool = False
+) -> dict[str, object]:
+    """A KubeletConfiguration that runs on a 2-core cgroup-v1 machine without touching it. In
+    exec mode the API server (which has no kubelet client certificate) may read logs, and a
+    crashed container is restarted after 1 s (KubeletCrashLoopBackOffMax; 10 s, doubling, else)."""
+    config: dict[str, object] = {
         "apiVersion": "kubelet.config.k8s.io/v1beta1",
         "kind": "KubeletConfiguration",
         "failCgroupV1": False,  # 1.35+ refuses cgroup v1 otherwise
@@ -218,7 +230,7 @@ def kubelet_config(paths: Paths, *, port: int, healthz_port: int) -> dict[str, o
         "healthzBindAddress": LOOPBACK,
         "healthzPort": healthz_port,
         "readOnlyPort": 0,
-        "authentication": {"anonymous": {"enabled": False}, "webhook": {"enabled": False}},
+        "authentication": {"anonymous": {"enabled": exec_mode}, "webhook": {"enabled": False}},
         "authorization": {"mode": "AlwaysAllow"},
         "makeIPTablesUtilChains": False,
         "evictionHard": {"memory.available": "100Mi"},
@@ -236,13 +248,17 @@ def kubelet_config(paths: Paths, *, port: int, healthz_port: int) -> dict[str, o
         "imageGCHighThresholdPercent": 100,
         "imageGCLowThresholdPercent": 99,
     }
+    if exec_mode:
+        config["crashLoopBackOff"] = {"maxContainerRestartPeriod": "1s"}
+    return config
 
 
 # --- the mount namespace ------------------------------------------------------------------
 
 
 def namespace_script(paths: Paths, kubelet_argv: list[str]) -> str:
-    """The shell run inside ``unshare --mount``: mounts, then exec kubelet (same pid)."""
+    """The shell run inside ``unshare --mount``: mounts, then exec kubelet (same pid), or in exec
+    mode the runtime, whose namespace kubelet then joins."""
     mnt = paths.root / "mnt"
     lines = ["set -eu"]
     for target, name in (("/var/lib", "varlib"), ("/run", "run")):
@@ -292,6 +308,8 @@ class Node:
     ca_file: Path
     pids: dict[str, int]
     attached: bool
+    exec_mode: bool = False
+    pod_ip_range: str = ""  # exec mode: the /16 of 127/8 its pods' IPs come from
     _procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict, repr=False)
 
     @property
@@ -340,6 +358,25 @@ class Node:
     def stop(self, *, delete_node: bool = True) -> list[int]:
         return stop_node(self.paths.root, delete_node=delete_node, procs=self._procs)
 
+    def containers(self) -> list[dict[str, object]]:
+        """Every container the runtime knows: id, namespace, pod, container, attempt, state,
+        exit_code, sandbox_id; in exec mode ``pid`` (while its first process lives) and
+        ``log_path`` (as kubelet sees it: ``host_path`` gives the file)."""
+        status, body = control(self.paths.control_socket, "GET", "/containers")
+        if status != http.client.OK or not isinstance(body, list):
+            raise NodeError(f"listing the containers of {self.name}: {status} {body}")
+        return body
+
+    def host_path(self, path: str) -> Path:
+        """Where a path of the node's mount namespace is on the host."""
+        for inside, outside in (
+            ("/var/log", self.paths.root / "mnt" / "varlog"),
+            ("/var/lib/kubelet", self.paths.kubelet),
+        ):
+            if path == inside or path.startswith(inside + "/"):
+                return outside / path[len(inside) :].lstrip("/")
+        return Path(path)
+
 
 def _socket_answers(path: Path) -> bool:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
@@ -380,17 +417,23 @@ def _record(
     _write_state(paths, state)
 
 
+def _in_namespace(paths: Paths, argv: list[str]) -> list[str]:
+    return ["unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c",
+            namespace_script(paths, argv)]  # fmt: skip
+
+
 def _start_kubelet(node: Node, state: dict[str, object]) -> None:
     argv = state.get("kubelet_argv")
     if not isinstance(argv, list):
         raise NodeError(f"{node.paths.state} has no kubelet command line in its state")
-    script = namespace_script(node.paths, [str(a) for a in argv])
-    proc = _spawn(
-        node.paths,
-        "kubelet",
-        ["unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c", script],
-        attached=node.attached,
-    )
+    kubelet = [str(a) for a in argv]
+    if node.exec_mode:  # the runtime owns the namespace: its processes must see kubelet's paths
+        runtime = node.pids["fake-cri"]
+        command = ["nsenter", f"--mount=/proc/{runtime}/ns/mnt", f"--wd={node.paths.root}", "--"]
+        command += kubelet
+    else:
+        command = _in_namespace(node.paths, kubelet)
+    proc = _spawn(node.paths, "kubelet", command, attached=node.attached)
     node._procs["kubelet"] = proc
     node.pids["kubelet"] = proc.pid
     _record(node.paths, state, "kubelet", proc)
@@ -403,8 +446,11 @@ def start_node_on(
     *,
     attached: bool = True,
     timeout: float = 60.0,
+    exec_mode: bool = False,
+    cdi_dirs: Sequence[Path] = (),
 ) -> Node:
-    """`start_node` registered with the control plane `plane` (its server, token and CA)."""
+    """`start_node` registered with the control plane `plane` (its server, token and CA); in exec
+    mode its pods' IPs come from a /16 no other node of the plane has."""
     return start_node(
         root,
         name,
@@ -414,7 +460,35 @@ def start_node_on(
         ca_key=plane.ca_file.with_name("ca.key"),
         attached=attached,
         timeout=timeout,
+        exec_mode=exec_mode,
+        cdi_dirs=cdi_dirs,
+        pod_ip_ranges=plane.directory / "pod-ip-ranges" if exec_mode else None,
     )
+
+
+# Exec-mode nodes take 127.N.0.0/16 for one N of these (127.0/16 is the control plane's).
+POD_IP_BLOCKS = range(64, 255)
+
+
+def _give_pod_ip_range(node: Node, state: dict[str, object], directory: Path | None) -> None:
+    node.pod_ip_range = f"127.{POD_IP_BLOCKS[0]}.0.0/16"
+    if directory is not None:
+        node.pod_ip_range, claim = _claim_pod_ip_range(directory)
+        state["pod_ip_claim"] = str(claim)  # released by stop_node
+    state["pod_ip_range"] = node.pod_ip_range
+
+
+def _claim_pod_ip_range(directory: Path) -> tuple[str, Path]:
+    """A /16 of 127/8 for one node's pods, held by a directory entry (mkdir is atomic)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for block in POD_IP_BLOCKS:
+        claim = directory / str(block)
+        try:
+            claim.mkdir()
+        except FileExistsError:
+            continue
+        return f"127.{block}.0.0/16", claim
+    raise NodeError(f"every pod IP range in {directory} is taken")
 
 
 def start_node(
@@ -427,9 +501,14 @@ def start_node(
     ca_key: Path,
     attached: bool = True,
     timeout: float = 60.0,
+    exec_mode: bool = False,
+    cdi_dirs: Sequence[Path] = (),
+    pod_ip_ranges: Path | None = None,
 ) -> Node:
     """Start one kubelet node in ``root`` (a short path: sockets live there) and return once its
-    Node is Ready and untainted."""
+    Node is Ready and untainted. ``exec_mode``: containers run as processes (module docstring),
+    with the CDI specs in ``cdi_dirs`` and a pod IP range claimed in ``pod_ip_ranges`` (a
+    directory the nodes of one platform share; 127.64.0.0/16 when None)."""
     problem = preflight()
     if problem is not None:
         raise NodeError(problem)
@@ -454,7 +533,7 @@ def start_node(
     root.mkdir(parents=True, exist_ok=True)
     paths.logs.mkdir(exist_ok=True)
     _prepare_mounts(paths)
-    node = Node(name, paths, server, admin_token, ca_file, {}, attached)
+    node = Node(name, paths, server, admin_token, ca_file, {}, attached, exec_mode)
     state: dict[str, object] = {
         "name": name,
         "server": server,
@@ -462,15 +541,16 @@ def start_node(
         "admin_token": admin_token,
         "ca_file": str(ca_file),
     }
+    if exec_mode:
+        _give_pod_ip_range(node, state, pod_ip_ranges)
     _write_state(paths, state)
     try:
         crt, key = _node_client_cert(ca_key.parent, paths, name)
         _write_kubeconfig(paths, server, ca_file, crt, key)
         port, healthz = testcluster.free_port(), testcluster.free_port()
         config = paths.root / "config" / "kubelet.yaml"
-        config.write_text(
-            json.dumps(kubelet_config(paths, port=port, healthz_port=healthz), indent=2)
-        )
+        settings = kubelet_config(paths, port=port, healthz_port=healthz, exec_mode=exec_mode)
+        config.write_text(json.dumps(settings, indent=2))
         state["kubelet_argv"] = [
             str(binaries["kubelet"]),
             f"--config={config}",
@@ -481,18 +561,8 @@ def start_node(
             "--v=2",
         ]
         state["healthz_port"] = healthz
-        cri = _spawn(
-            paths,
-            "fake-cri",
-            [
-                str(binaries["edl-fake-cri"]),
-                f"--socket={paths.cri_socket}",
-                f"--control={paths.control_socket}",
-                f"--log={paths.cri_log}",
-                f"--fs-mountpoint={_mountpoint(paths.root)}",
-            ],
-            attached=attached,
-        )
+        runtime = _runtime_command(binaries["edl-fake-cri"], node, cdi_dirs)
+        cri = _spawn(paths, "fake-cri", runtime, attached=attached)
         node._procs["fake-cri"] = cri
         node.pids["fake-cri"] = cri.pid
         _record(paths, state, "fake-cri", cri)
@@ -504,6 +574,8 @@ def start_node(
         )
         _start_kubelet(node, state)
         _wait_ready(node, timeout)
+        if exec_mode:
+            _set_address(node)
         paths.env_file.write_text(
             "".join(f"{key}={shlex.quote(value)}\n" for key, value in node.env.items())
         )
@@ -512,6 +584,22 @@ def start_node(
             stop_node(root, delete_node=True, timeout=2.0, procs=node._procs)  # reaped too
         raise
     return node
+
+
+def _runtime_command(binary: Path, node: Node, cdi_dirs: Sequence[Path]) -> list[str]:
+    paths = node.paths
+    argv = [
+        str(binary),
+        f"--socket={paths.cri_socket}",
+        f"--control={paths.control_socket}",
+        f"--log={paths.cri_log}",
+        f"--fs-mountpoint={_mountpoint(paths.root)}",
+    ]
+    if not node.exec_mode:
+        return argv
+    argv += ["--exec", f"--pod-ip-range={node.pod_ip_range}"]
+    argv += [f"--cdi-dir={Path(d).resolve()}" for d in cdi_dirs]
+    return _in_namespace(paths, argv)
 
 
 def _mountpoint(path: Path) -> Path:
@@ -607,6 +695,21 @@ def _wait_ready(node: Node, timeout: float) -> None:
             raise NodeError(f"could not lift the not-ready taint of {node.name}: {status} {body}")
 
 
+def _set_address(node: Node) -> None:
+    """Kubelet reports no address for a loopback node IP (it refuses one), so the API server
+    cannot reach it for logs; set the address it serves on. Kubelet keeps it: its address setter
+    fails before it changes the list."""
+    status, body = api(
+        node,
+        "PATCH",
+        f"/api/v1/nodes/{node.name}/status",
+        {"status": {"addresses": [{"type": "InternalIP", "address": LOOPBACK}]}},
+        content_type="application/merge-patch+json",
+    )
+    if status != http.client.OK:
+        raise NodeError(f"could not set the address of {node.name}: {status} {body}")
+
+
 # --- stopping -----------------------------------------------------------------------------
 
 
@@ -667,6 +770,9 @@ def stop_node(
     if not state:
         return []
     stopped = _stop_processes(paths, state, timeout=timeout, procs=procs)
+    if isinstance(state.get("pod_ip_claim"), str):
+        with contextlib.suppress(OSError):
+            Path(str(state["pod_ip_claim"])).rmdir()
     if delete_node and isinstance(state.get("name"), str):
         with contextlib.suppress(Exception):
             _delete_node_object(paths, state)
@@ -774,11 +880,18 @@ def _plane_credentials(directory: Path) -> tuple[str, str, Path]:
 
 
 def up(
-    directory: Path, count: int, *, timeout: float = 60.0, controller_manager: bool = False
+    directory: Path,
+    count: int,
+    *,
+    timeout: float = 60.0,
+    controller_manager: bool = False,
+    exec_mode: bool = False,
+    cdi_dirs: Sequence[Path] = (),
 ) -> list[Node]:
     """A control plane (detached) in ``directory`` and ``count`` kubelet nodes under
     ``directory/nodes/``; returns once every node is Ready. ``controller_manager``: the plane
-    runs kube-controller-manager too (testcluster.CONTROLLERS)."""
+    runs kube-controller-manager too (testcluster.CONTROLLERS); ``exec_mode``, ``cdi_dirs``: as
+    for `start_node`."""
     problem = preflight()
     if problem is not None:
         raise NodeError(problem)
@@ -803,7 +916,13 @@ def up(
         for name in node_names(count):
             started = time.monotonic()
             node = start_node_on(
-                plane, directory / "nodes" / name, name, attached=False, timeout=timeout
+                plane,
+                directory / "nodes" / name,
+                name,
+                attached=False,
+                timeout=timeout,
+                exec_mode=exec_mode,
+                cdi_dirs=cdi_dirs,
             )
             nodes.append(node)
             _log(f"node {name} Ready in {time.monotonic() - started:.1f}s ({node.paths.env_file})")
@@ -883,6 +1002,22 @@ def main(argv: list[str] | None = None) -> int:
             f"after {testcluster.NODE_MONITOR_GRACE_PERIOD})"
         ),
     )
+    start.add_argument(
+        "--exec",
+        action="store_true",
+        help=(
+            "run containers as host processes (the pod's command must exist on this host): "
+            "real exit codes and logs, one loopback IP per pod (127.N.x.y), CDI env edits"
+        ),
+    )
+    start.add_argument(
+        "--cdi-dir",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="with --exec: a directory of CDI specs (repeatable)",
+    )
     stop = sub.add_parser("down", help="stop everything in DIR and remove its state (idempotent)")
     stop.add_argument("directory", type=Path, metavar="DIR")
     leave = sub.add_parser("exit", help="make a running container exit with CODE")
@@ -900,6 +1035,8 @@ def main(argv: list[str] | None = None) -> int:
                 args.nodes,
                 timeout=args.timeout,
                 controller_manager=args.controller_manager,
+                exec_mode=args.exec,
+                cdi_dirs=args.cdi_dir,
             )
             _log(f"export KUBECONFIG={args.directory.resolve() / 'kubeconfig'}")
             for node in nodes:

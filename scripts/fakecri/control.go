@@ -34,10 +34,12 @@ type containerView struct {
 	State     string `json:"state"`
 	ExitCode  int32  `json:"exit_code"`
 	SandboxID string `json:"sandbox_id"`
+	Pid       int    `json:"pid,omitempty"`      // exec mode: the first process, until it is reaped
+	LogPath   string `json:"log_path,omitempty"` // exec mode: as kubelet's mount namespace sees it
 }
 
-func view(c *apitest.FakeContainer) containerView {
-	return containerView{
+func (r *runtime) view(c *apitest.FakeContainer) containerView {
+	v := containerView{
 		ID:        c.Id,
 		Namespace: c.Labels[podNamespaceLabel],
 		Pod:       c.Labels[podNameLabel],
@@ -47,6 +49,12 @@ func view(c *apitest.FakeContainer) containerView {
 		ExitCode:  c.ExitCode,
 		SandboxID: c.SandboxID,
 	}
+	if r.exec != nil {
+		if p := r.exec.procs[c.Id]; p != nil {
+			v.Pid, v.LogPath = p.pid, c.LogPath
+		}
+	}
+	return v
 }
 
 func (r *runtime) controlHandler() http.Handler {
@@ -69,7 +77,7 @@ func (r *runtime) viewsLocked(keep func(*apitest.FakeContainer) bool) []containe
 	views := []containerView{}
 	for _, c := range r.RuntimeService.Containers {
 		if keep(c) {
-			views = append(views, view(c))
+			views = append(views, r.view(c))
 		}
 	}
 	sort.Slice(views, func(i, j int) bool { return views[i].ID < views[j].ID })
@@ -129,7 +137,8 @@ func (r *runtime) exitNewest(body exitRequest, ofPod func(*apitest.FakeContainer
 		return nil, r.viewsLocked(ofPod)
 	}
 	exitLocked(chosen, *body.Code)
-	v := view(chosen)
+	r.killLocked(chosen)
+	v := r.view(chosen)
 	return &v, nil
 }
 

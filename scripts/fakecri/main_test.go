@@ -31,7 +31,10 @@ type harness struct {
 	logPath string
 }
 
-func newHarness(t *testing.T) *harness {
+func newHarness(t *testing.T) *harness { return newModeHarness(t, nil) }
+
+// newModeHarness serves the runtime in exec mode when execMode is given.
+func newModeHarness(t *testing.T, execMode *execConfig) *harness {
 	// Unix socket paths are limited to 107 bytes; t.TempDir() can be longer.
 	dir, err := os.MkdirTemp("", "fakecri")
 	if err != nil {
@@ -43,7 +46,7 @@ func newHarness(t *testing.T) *harness {
 	if err := os.WriteFile(socket, nil, 0o600); err != nil { // a stale socket file
 		t.Fatal(err)
 	}
-	srv, err := start(socket, control, logPath, "/")
+	srv, err := start(socket, control, logPath, "/", execMode)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -22,9 +22,10 @@ type runtime struct {
 	*fake.RemoteRuntime
 	logMu sync.Mutex
 	log   *os.File
+	exec  *execState // nil unless containers run as processes (exec mode)
 }
 
-func newRuntime(logPath, mountpoint string) (*runtime, error) {
+func newRuntime(logPath, mountpoint string, execMode *execConfig) (*runtime, error) {
 	// The fake gives every sandbox this address (default 192.168.192.168); pod IPs show in pod
 	// status, so they must be addresses nobody could reach by mistake.
 	apitest.FakePodSandboxIPs = []string{"127.0.0.1"}
@@ -46,11 +47,20 @@ func newRuntime(logPath, mountpoint string) (*runtime, error) {
 	}}
 	remote.ImageService.SetFakeFilesystemUsage(usage)
 	remote.ImageService.SetFakeContainerFilesystemUsage(usage)
+	r := &runtime{RemoteRuntime: remote}
+	if execMode != nil {
+		state, err := newExecState(*execMode)
+		if err != nil {
+			return nil, err
+		}
+		r.exec = state
+	}
 	file, err := os.OpenFile(logPath, os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o644)
 	if err != nil {
 		return nil, fmt.Errorf("opening the CreateContainer log: %w", err)
 	}
-	return &runtime{RemoteRuntime: remote, log: file}, nil
+	r.log = file
+	return r, nil
 }
 
 func (r *runtime) close() { _ = r.log.Close() }
@@ -108,8 +118,12 @@ func (r *runtime) PodSandboxStatus(ctx context.Context, req *runtimeapi.PodSandb
 
 // Stops and removals follow the CRI contract rather than the fake's: they succeed for ids that are
 // gone (kubelet repeats them), stopping a sandbox stops its containers, removing it removes them,
-// and stopping an exited container keeps its exit code and time.
+// and stopping an exited container keeps its exit code and time. In exec mode a stop ends the
+// container's processes (SIGTERM, SIGKILL after the timeout) and the exit code is theirs.
 func (r *runtime) StopContainer(_ context.Context, req *runtimeapi.StopContainerRequest) (*runtimeapi.StopContainerResponse, error) {
+	if p := r.processOf(req.ContainerId); p != nil {
+		p.stop(time.Duration(req.Timeout) * time.Second)
+	}
 	rs := r.RuntimeService
 	rs.Lock()
 	defer rs.Unlock()
@@ -120,6 +134,11 @@ func (r *runtime) StopContainer(_ context.Context, req *runtimeapi.StopContainer
 }
 
 func (r *runtime) StopPodSandbox(_ context.Context, req *runtimeapi.StopPodSandboxRequest) (*runtimeapi.StopPodSandboxResponse, error) {
+	for _, id := range r.containersOf(req.PodSandboxId) {
+		if p := r.processOf(id); p != nil {
+			p.kill()
+		}
+	}
 	rs := r.RuntimeService
 	rs.Lock()
 	defer rs.Unlock()
@@ -135,6 +154,7 @@ func (r *runtime) StopPodSandbox(_ context.Context, req *runtimeapi.StopPodSandb
 }
 
 func (r *runtime) RemovePodSandbox(_ context.Context, req *runtimeapi.RemovePodSandboxRequest) (*runtimeapi.RemovePodSandboxResponse, error) {
+	r.forget(r.containersOf(req.PodSandboxId))
 	rs := r.RuntimeService
 	rs.Lock()
 	defer rs.Unlock()
@@ -194,13 +214,24 @@ type logEntry struct {
 	Annotations  map[string]string `json:"annotations"`
 	Labels       map[string]string `json:"labels"`
 	CDIDevices   []string          `json:"cdi_devices"`
+	CDIEdits     *cdiEdits         `json:"cdi_edits,omitempty"` // exec mode only
 	ContainerID  string            `json:"container_id"`
 	Error        string            `json:"error"`
 }
 
 func (r *runtime) CreateContainer(ctx context.Context, req *runtimeapi.CreateContainerRequest) (*runtimeapi.CreateContainerResponse, error) {
-	resp, err := r.RemoteRuntime.CreateContainer(ctx, req)
 	entry := newLogEntry(req)
+	var resp *runtimeapi.CreateContainerResponse
+	var l launch
+	var err error
+	if r.exec != nil {
+		var edits cdiEdits
+		l, edits, err = r.prepareLaunch(req)
+		entry.CDIEdits = &edits
+	}
+	if err == nil {
+		resp, err = r.RemoteRuntime.CreateContainer(ctx, req)
+	}
 	if err != nil {
 		entry.Error = err.Error()
 	} else {
@@ -208,6 +239,9 @@ func (r *runtime) CreateContainer(ctx context.Context, req *runtimeapi.CreateCon
 		r.RuntimeService.Lock()
 		if c, ok := r.RuntimeService.Containers[resp.ContainerId]; ok {
 			c.LogPath = containerLogPath(req)
+		}
+		if r.exec != nil {
+			r.exec.launches[resp.ContainerId] = l
 		}
 		r.RuntimeService.Unlock()
 	}
@@ -219,8 +253,8 @@ func (r *runtime) CreateContainer(ctx context.Context, req *runtimeapi.CreateCon
 
 // containerLogPath is where kubelet expects the container's log. The fake leaves it empty, and
 // when kubelet removes a container it deletes the files matching "<log path>*", relative to its
-// working directory for an empty or relative path. The file is never created: the runtime may
-// not share kubelet's view of /var/log.
+// working directory for an empty or relative path. The file is only created in exec mode, where
+// the runtime shares kubelet's view of /var/log (its mount namespace).
 func containerLogPath(req *runtimeapi.CreateContainerRequest) string {
 	dir, name := req.GetSandboxConfig().GetLogDirectory(), req.GetConfig().GetLogPath()
 	if path := filepath.Join(dir, name); dir != "" && name != "" && filepath.IsAbs(path) {

@@ -35,6 +35,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kubernetes import client
@@ -203,10 +204,12 @@ StartNode = Callable[..., testnode.Node]
 
 @pytest.fixture
 def kubelet_nodes(k8s_control_plane: testcluster.ControlPlane) -> Iterator[StartNode]:
-    """``start(name=None)`` starts one more real kubelet node (Ready, untainted) on the session's
-    control plane. Each lives in a short directory under /tmp (its sockets must fit 107 bytes)
-    that is removed afterwards with the node's processes, mounts and Node object. Fails, never
-    skips, where kubelet nodes cannot run (not root, no unshare, no overlayfs)."""
+    """``start(name=None, **options)`` starts one more real kubelet node (Ready, untainted) on the
+    session's control plane; ``options`` go to testnode.start_node_on (``exec_mode=True,
+    cdi_dirs=[...]``: its containers run as processes). Each lives in a short directory under
+    /tmp (its sockets must fit 107 bytes) that is removed afterwards with the node's processes,
+    mounts and Node object. Fails, never skips, where kubelet nodes cannot run (not root, no
+    unshare, no overlayfs)."""
     yield from _kubelet_nodes(k8s_control_plane)
 
 
@@ -229,12 +232,12 @@ def _kubelet_nodes(plane: testcluster.ControlPlane) -> Iterator[StartNode]:
     roots: list[Path] = []
     nodes: list[testnode.Node] = []
 
-    def start(name: str | None = None) -> testnode.Node:
+    def start(name: str | None = None, **options: Any) -> testnode.Node:
         root = Path(tempfile.mkdtemp(prefix="edl-kn-", dir="/tmp"))
         roots.append(root)
         try:
             node = testnode.start_node_on(
-                plane, root, name or f"kn-{secrets.token_hex(3)}", attached=True
+                plane, root, name or f"kn-{secrets.token_hex(3)}", attached=True, **options
             )
         except testnode.NodeError as exc:
             pytest.fail(f"could not start a kubelet node: {exc}", pytrace=False)
