@@ -18,7 +18,8 @@ import structlog
 from edl_agent import __version__, log
 from edl_agent.config import DraSettings, Settings, load_settings
 from edl_agent.devices.model import Inventory
-from edl_agent.errors import UsageError
+from edl_agent.errors import Unavailable, UsageError
+from edl_agent.hosts import command as hosts_command
 from edl_agent.preflight import check_host_root
 from edl_agent.restarter import cli as restarter_cli
 from edl_agent.settings_loader import ConfigError, assignment, describe_settings, set_path
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from edl_agent.runtime.deadline import StopDeadline
 
 EXIT_USAGE = 2
+EXIT_UNAVAILABLE = 1
 KUBELET_DIR = "/var/lib/kubelet/device-plugins"
 POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 STATE_DIR = "/var/lib/edl-agent"
@@ -55,6 +57,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, ConfigError) as exc:  # a ProfileError is a UsageError
         print(error_line(str(exc)), file=sys.stderr)
         return EXIT_USAGE
+    except Unavailable as exc:
+        print(error_line(str(exc)), file=sys.stderr)
+        return EXIT_UNAVAILABLE
     except KeyboardInterrupt:
         return 130
 
@@ -165,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(handler=_run)
 
     restarter_cli.add_parser(commands)
+    hosts_command.add_parser(commands)
 
     config = commands.add_parser(
         "config",

@@ -391,21 +391,22 @@ def connect(
     token_file: str = SERVICE_TOKEN_FILENAME,
     ca_file: str = SERVICE_CERT_FILENAME,
     timeout: tuple[float, float] = REQUEST_TIMEOUT,
+    name: str = "node.kubeconfig",
 ) -> NodeApi | None:
     """The node agent's API client, from the same credentials as `api_client`: our own thin
     client where it serves them, else the kubernetes package's (exec and auth-provider users,
     proxies). None: no credentials. `timeout`: (connect, read) seconds of our own client's
-    requests."""
+    requests. `name`: what errors call an explicit kubeconfig."""
     env = os.environ if environ is None else environ
-    chosen = kubeconfig_to_use(kubeconfig, name="node.kubeconfig", environ=env, ambient=ambient)
+    chosen = kubeconfig_to_use(kubeconfig, name=name, environ=env, ambient=ambient)
     if chosen is not None:
-        path, name = chosen
-        check_exists(path, name, explicit=bool(kubeconfig))
+        path, said = chosen
+        check_exists(path, said, explicit=bool(kubeconfig))
         files = kubeconfig_files(path, explicit=bool(kubeconfig))
         try:
             rest = rest_client([Path(f).expanduser() for f in files], environ=env, timeout=timeout)
         except KubeConfigError as exc:
-            msg = f"{name}: cannot use {path}: {exc}"
+            msg = f"{said}: cannot use {path}: {exc}"
             raise KubeConfigError(msg) from None
     elif ambient and env.get(SERVICE_HOST_ENV_NAME) and is_file(Path(token_file)):
         rest = rest_client(
@@ -416,6 +417,6 @@ def connect(
     if rest is not None:
         return rest
     api = api_client(
-        kubeconfig, environ=env, ambient=ambient, token_file=token_file, ca_file=ca_file
+        kubeconfig, name=name, environ=env, ambient=ambient, token_file=token_file, ca_file=ca_file
     )
     return None if api is None else KubeApi(api)
