@@ -52,6 +52,7 @@ BENCHMARKS = [
     ("nvidia_peer", "nvidia_peer.py"),
     ("node_peer", "node_peer.py"),
     ("kubelet_peer", "kubelet_peer.py"),
+    ("training_faults", "training_faults.py"),
 ]
 # What each peer benchmark needs of bench/build_nvidia_plugin.py's commands.
 PEERS = {
@@ -65,6 +66,7 @@ TIME_LIMIT_S = {"quick": 100.0, "full": 1800.0}
 FULL_ONLY = {
     "kubelet_peer": "two real kubelet nodes: full mode only",
     "dra": "a real kubelet node and kube-scheduler: full mode only",
+    "training_faults": "a PaddlePaddle job on three real kubelet nodes: full mode only",
 }
 
 

@@ -105,6 +105,31 @@ def test_a_node_s_grace_runs_on_the_restarter_s_clock_and_a_fault_is_never_older
     assert faults[-1].observed_at == datetime(2026, 5, 1, 12, 0, 30, tzinfo=UTC)
 
 
+def test_a_force_delete_is_seen_after_in_place_restarts() -> None:
+    """A pod whose container kubelet restarted in place (an exit in `lastState`, already
+    decided) and which is then force-deleted is gone for good: a PodForceDeleted fault."""
+    faults: list[Any] = []
+    watcher = ClusterWatcher(client.ApiClient(), on_fault=faults.append, clock=lambda: NOW)
+    restarted = pod(
+        containerStatuses=[
+            {
+                "name": "trainer",
+                "restartCount": 1,
+                "state": {"running": {"startedAt": "2026-05-01T11:59:30Z"}},
+                "lastState": {"terminated": {"exitCode": 1, "reason": "Error"}},
+            }
+        ]
+    )
+    watcher.pods_listed(None, [restarted])
+    assert [f.kind for f in faults] == [FaultKind.CONTAINER_EXIT]
+    restarted["metadata"] |= {
+        "deletionTimestamp": "2026-05-01T12:00:00Z",
+        "deletionGracePeriodSeconds": 0,
+    }
+    watcher.pod_event("DELETED", restarted)
+    assert [f.kind for f in faults[1:]] == [FaultKind.POD_FORCE_DELETED]
+
+
 def test_the_replacement_keeps_the_pod_and_drops_its_binding() -> None:
     old = pod()
     old["metadata"]["annotations"][DELETED_BY_ANNOTATION] = RESTARTER

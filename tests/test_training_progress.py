@@ -48,6 +48,7 @@ def test_recovery_is_the_first_full_size_step_of_a_formation_after_the_fault() -
     assert found is not None
     assert (found.resumed_at, found.resumed_from, found.last_step_before) == (28.5, 100, 120)
     assert found.steps_lost == 20
+    assert (found.going_again_at, found.going_again_world) == (27.0, 2)  # on two, first
 
 
 def test_no_recovery_before_a_full_size_formation_made_a_step() -> None:
@@ -62,3 +63,11 @@ def test_progressing_counts_steps_at_the_world_size_after_a_time() -> None:
     assert not progressing(reports, 3, since=20.0, steps=100)
     assert progressing(reports, 3, since=20.0, steps=40)
     assert not progressing(reports, 2, since=0.0, steps=1)
+
+
+def test_steps_made_after_the_fault_until_the_job_broke_up_count_as_lost() -> None:
+    """A fault the trainers do not feel at once (an XID; the pod is replaced a second later):
+    the steps they made meanwhile are lost when the job resumes from an older checkpoint."""
+    found = recovery(parse(LOG), fault_at=12.0, world=3)
+    assert found is not None
+    assert (found.last_step_before, found.resumed_from, found.steps_lost) == (120, 100, 20)

@@ -408,7 +408,9 @@ class ClusterWatcher:
         evicted = eviction_fault(pod, now=now, source=SOURCE)
         if evicted is not None:
             faults.append(evicted)
-        if deleted and not faults:
+        # Gone with grace 0 while it could still run: whatever exits kubelet restarted it from
+        # before (faults of their own, decided already), nothing runs it any more.
+        if deleted and evicted is None:
             forced = force_deletion_fault(pod, now=now, source=SOURCE)
             if forced is not None:
                 faults.append(forced)

@@ -69,9 +69,11 @@ def bound_tokens(
     audiences: list[list[str]],
     *,
     pod_labels: dict[str, str] | None = None,
+    command: list[str] | None = None,
 ) -> list[str]:
     """Tokens as kubelet projects them into a pod of `service_account` on `node`, one per
-    audience list ([] is the API server's): bound to that pod, so they name the node."""
+    audience list ([] is the API server's): bound to that pod, so they name the node. `command`:
+    what the pod runs where the node's runtime runs processes (exec mode), so that it stays up."""
     pod = core.create_namespaced_pod(
         namespace,
         client.V1Pod(
@@ -81,7 +83,9 @@ def bound_tokens(
             spec=client.V1PodSpec(
                 node_name=node,
                 service_account_name=service_account,
-                containers=[client.V1Container(name="c", image="registry.invalid/edl:test")],
+                containers=[
+                    client.V1Container(name="c", image="registry.invalid/edl:test", command=command)
+                ],
             ),
         ),
     )

@@ -55,10 +55,12 @@ def parse(text: str, source: str = "") -> list[Report]:
 class Recovery:
     """How training went through a fault at `fault_at`."""
 
-    last_step_before: int  # the newest step any trainer reported before the fault
+    last_step_before: int  # the newest step any trainer reported before the job re-formed
     resumed_at: float  # first step at full size reported by a formation started after it
     resumed_from: int  # the checkpoint that formation started from
     world: int
+    going_again_at: float  # first step after the job re-formed, at whatever size
+    going_again_world: int
 
     @property
     def steps_lost(self) -> int:
@@ -69,21 +71,28 @@ def recovery(reports: Iterable[Report], fault_at: float, world: int) -> Recovery
     """The recovery after `fault_at` at world size `world`, or None while it has not happened:
     a formation of `world` trainers started after the fault and one of them made a step."""
     ordered = sorted(reports, key=lambda r: r.t)
-    before = [r.step for r in ordered if r.event == "step" and r.t <= fault_at]
-    starts = [r for r in ordered if r.event == "start" and r.t > fault_at and r.world == world]
+    restarts = [r for r in ordered if r.event == "start" and r.t > fault_at]
+    starts = [r for r in restarts if r.world == world]
     if not starts:
         return None
+    # Trainers may go on after the fault until the job breaks up (a pod being replaced stops
+    # a moment later): their last steps before the first re-formation are what could be lost.
+    broke_at = restarts[0].t
+    before = [r.step for r in ordered if r.event == "step" and r.t < broke_at]
     # The formation that made progress: the last start before the first full-size step after
     # the first start (earlier formations may have broken up again).
     first_start = starts[0].t
     for report in ordered:
         if report.event == "step" and report.world == world and report.t > first_start:
             formed = [s for s in starts if s.t <= report.t]
+            going = next(r for r in ordered if r.event == "step" and r.t > broke_at)
             return Recovery(
                 last_step_before=max(before, default=0),
                 resumed_at=report.t,
                 resumed_from=formed[-1].step,
                 world=world,
+                going_again_at=going.t,
+                going_again_world=going.world,
             )
     return None
 

@@ -1,0 +1,629 @@
+"""Training keeps going through a fault: a real PaddlePaddle elastic job (tests/training/train.py
+under `paddle.distributed.launch`, etcd rendezvous, elastic level 1) on three real kubelet v1.37
+nodes whose runtime runs the pods' processes (testnode exec mode), with kube-controller-manager
+(a dead node goes NotReady), kube-scheduler, an agent on each node (simulated dgx-h100) and the
+restarter under a FaultTolerancePolicy like the README's AITrainingJob example.
+
+One job of three workers (one launcher per pod, one GPU each) goes through the faults in turn;
+after each, the trainers' own logs must show a formation of three resuming from the newest
+checkpoint and making steps:
+- XID 95 (a reset-class memory error) on the GPU a worker holds: the agent reports it, the
+  restarter replaces the pod, the job re-forms with the replacement;
+- a launcher exits 101 (a policy code): the pod ends (its restart rules leave 101 to us), the
+  restarter replaces it;
+- a launcher exits 1: kubelet restarts it in place (its restart rules), the restarter does not
+  replace anything;
+- a worker pod force-deleted: replaced;
+- a node dies (kubelet and runtime stop): NotReady, its worker replaced on another node;
+- the baseline: the same XID with the restarter stopped, measured over a fixed window.
+
+Each scenario's timeline (fault → replacement Running → training resumed at full size, steps
+lost) is printed in pytest's terminal summary; with EDL_TRAINING_FIGURES=FILE set they are also
+written there as JSON (bench/training_faults.py runs rounds of this test that way).
+
+The trainer's environment comes from scripts/trainer-env (PaddlePaddle, cached in .cache)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import k8sbinaries
+import pytest
+import testcluster
+import testnode
+from k8s_test_helpers import GPU_RESOURCE, KwokCluster, bound_tokens, wait_for
+from kubelet_helpers import NodeAgent, node_agent, pod_devices
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+from scheduler import Process, ProcessError, free_port, spawn, start_scheduler, tail
+from test_e2e import (
+    AGENT_SA,
+    AUDIENCE,
+    EDL_AGENT,
+    JOB,
+    LEASE,
+    POOL_LABEL,
+    policy_body,
+    worker_labels,
+)
+from test_restarter import CRD, GROUP, PLURAL, VERSION
+
+from edl_agent.restarter.replacement import REPLACES_ANNOTATION
+from edl_agent.sim import inject
+from tests.training.progress import Recovery, Report, parse, progressing, recovery
+
+pytestmark = pytest.mark.kubelet
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN_PY = REPO / "tests" / "training" / "train.py"
+WORLD = 3
+PROFILE = "dgx-h100"
+XID = 95
+MERGE = "application/merge-patch+json"
+NOT_FOUND = 404
+STARTUP = 180.0
+RECOVERY = 150.0  # fault → training back at full size; Paddle's own share is ~17 s
+BASELINE_WINDOW = 45.0
+PROGRESS_STEPS = 30
+
+_SUMMARY: list[tuple[str, list[str]]] = []
+
+
+class _Summary:
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        for title, lines in _SUMMARY:
+            terminalreporter.write_sep("-", title)
+            for line in lines:
+                terminalreporter.write_line(line)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _summary(request: pytest.FixtureRequest) -> None:
+    manager = request.config.pluginmanager
+    if not manager.has_plugin("edl-training-summary"):
+        manager.register(_Summary(), "edl-training-summary")
+
+
+# --- the trainers' logs -------------------------------------------------------------------------
+
+
+class TrainerLogs:
+    """Every report the trainers printed, read from the pods' log files on every node (kept once
+    read: a deleted pod's logs go with it)."""
+
+    def __init__(self, nodes: list[testnode.Node]) -> None:
+        self._nodes = nodes
+        self._seen: dict[tuple[str, float, int, int, str], Report] = {}
+
+    def reports(self) -> list[Report]:
+        for node in self._nodes:
+            for path in node.host_path("/var/log/pods").glob("*/*/*.log"):
+                try:
+                    text = path.read_text(errors="replace")
+                except OSError:
+                    continue
+                for report in parse(text, source=path.parent.parent.name):
+                    key = (report.source, report.t, report.rank, report.step, report.event)
+                    self._seen.setdefault(key, report)
+        return sorted(self._seen.values(), key=lambda r: r.t)
+
+
+# --- fixtures -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trainer_python() -> Path:
+    """The trainer's python (scripts/trainer-env installs PaddlePaddle once, into .cache)."""
+    done = subprocess.run(
+        [str(REPO / "scripts" / "trainer-env")], capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        pytest.fail(f"scripts/trainer-env failed:\n{done.stderr[-2000:]}", pytrace=False)
+    return Path(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[str]:
+    """An etcd of its own for Paddle's rendezvous; its client URL."""
+    binary = k8sbinaries.find("etcd")
+    if binary is None:
+        pytest.fail("etcd is missing: run scripts/k8s-binaries", pytrace=False)
+    port, peer = free_port(), free_port()
+    url = f"http://127.0.0.1:{port}"
+    process = spawn(
+        "etcd",
+        [
+            str(binary),
+            f"--data-dir={tmp_path / 'etcd-data'}",
+            f"--listen-client-urls={url}",
+            f"--advertise-client-urls={url}",
+            f"--listen-peer-urls=http://127.0.0.1:{peer}",
+            f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
+            f"--initial-cluster=default=http://127.0.0.1:{peer}",
+        ],
+        tmp_path / "etcd",
+    )
+    wait_for(f"etcd on {url}", lambda: _answers(f"{url}/health", process), bool, timeout=30)
+    yield f"127.0.0.1:{port}"
+    process.stop()
+
+
+@pytest.fixture
+def managed_scheduler(
+    k8s_managed_plane: testcluster.ControlPlane, tmp_path: Path
+) -> Iterator[Process]:
+    try:
+        process = start_scheduler(
+            k8s_managed_plane.kubeconfig, tmp_path / "kube-scheduler", timeout=90.0
+        )
+    except ProcessError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    yield process
+    process.stop()
+
+
+@pytest.fixture
+def policy_crd(k8s_managed: KwokCluster) -> None:
+    extensions = client.ApiextensionsV1Api(k8s_managed.api)
+    extensions.patch_custom_resource_definition(
+        CRD["metadata"]["name"],
+        CRD,
+        field_manager="edl-tests",
+        force=True,
+        _content_type="application/apply-patch+yaml",
+    )
+    wait_for(
+        "the policy CRD Established",
+        lambda: extensions.read_custom_resource_definition(CRD["metadata"]["name"]),
+        lambda crd: any(
+            c.type == "Established" and c.status == "True" for c in crd.status.conditions or []
+        ),
+        timeout=30,
+    )
+
+
+@pytest.fixture
+def processes() -> Iterator[list[Process]]:
+    """Processes a test starts; stopped in reverse order afterwards, each must exit 0."""
+    started: list[Process] = []
+    yield started
+    codes = {}
+    for process in reversed(started):
+        codes[process.name] = process.stop()
+        if codes[process.name] != 0:
+            print(f"\n--- {process.name} (exit {codes[process.name]}), log {process.log}:")
+            print(tail(process.log, 15))
+    assert codes == dict.fromkeys(codes, 0), f"unclean exits: {codes}"
+
+
+# --- the job ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    """The training job and what its scenarios share."""
+
+    k8s: KwokCluster
+    nodes: dict[str, testnode.Node]
+    agents: dict[str, NodeAgent]
+    restarter: Process
+    logs: TrainerLogs
+    workdir: Path
+    timelines: list[dict[str, Any]] = field(default_factory=list)
+
+    def pods(self) -> list[Any]:
+        """The job's live pods (not being deleted), by replica index."""
+        listed = self.k8s.core.list_namespaced_pod(
+            self.k8s.namespace, label_selector=f"{POOL_LABEL}-job={JOB}"
+        ).items
+        return sorted(
+            (p for p in listed if p.metadata.deletion_timestamp is None),
+            key=lambda p: p.metadata.labels["training.edl.io/replica-index"],
+        )
+
+    def worker(self, index: int) -> Any:
+        return next(
+            p
+            for p in self.pods()
+            if p.metadata.labels["training.edl.io/replica-index"] == str(index)
+        )
+
+
+def worker_pod(
+    index: int, *, node: str | None, pool: str, python: Path, etcd: str, workdir: Path
+) -> dict[str, Any]:
+    """A worker: one launcher with one GPU; kubelet restarts the launcher in place on any exit
+    except the policy's codes (129, 101), which end the pod for the restarter."""
+    labels = {**worker_labels(index), f"{POOL_LABEL}-job": JOB}
+    launcher = [
+        str(python),
+        "-m",
+        "paddle.distributed.launch",
+        f"--master=etcd://{etcd}",
+        f"--nnodes=2:{WORLD}",
+        "--elastic_level=1",
+        "--max_restart=200",
+        "--elastic_timeout=10",
+        f"--job_id={JOB}",
+        f"--log_dir={workdir}/launch-logs/$(POD_NAME)",
+        str(TRAIN_PY),
+        f"--checkpoints={workdir}/checkpoints",
+    ]
+    spec: dict[str, Any] = {
+        "nodeSelector": {POOL_LABEL: pool},
+        "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": 5,
+        "containers": [
+            {
+                "name": "trainer",
+                "image": "registry.invalid/edl/paddle-trainer:test",
+                "command": launcher,
+                "env": [
+                    {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                    {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                    {"name": "HOME", "value": str(workdir / "home")},
+                    {"name": "PYTHONUNBUFFERED", "value": "1"},
+                ],
+                "resources": {"limits": {GPU_RESOURCE: "1"}},
+                "restartPolicy": "Never",
+                "restartPolicyRules": [
+                    {
+                        "action": "Restart",
+                        "exitCodes": {"operator": "NotIn", "values": [101, 129]},
+                    }
+                ],
+            }
+        ],
+    }
+    if node is not None:
+        spec["nodeName"] = node
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": f"{JOB}-worker-{index}", "labels": labels},
+        "spec": spec,
+    }
+
+
+def start_restarter(
+    k8s: KwokCluster, plane: testcluster.ControlPlane, tmp_path: Path, processes: list[Process]
+) -> tuple[Process, int]:
+    intake_port, metrics_port = free_port(), free_port()
+    argv = [
+        EDL_AGENT,
+        "restarter",
+        f"--kubeconfig={plane.kubeconfig}",
+        f"--listen=127.0.0.1:{intake_port}",
+        f"--agent-service-account={k8s.namespace}/{AGENT_SA}",
+        f"--namespace={k8s.namespace}",
+        f"--audience={AUDIENCE}",
+        f"--lease-namespace={k8s.namespace}",
+        f"--lease-name={LEASE}",
+        f"--metrics-addr=127.0.0.1:{metrics_port}",
+        "--log-format=json",
+    ]
+    restarter = spawn("restarter", argv, tmp_path / "restarter")
+    processes.append(restarter)
+    wait_for(
+        "the restarter to lead",
+        lambda: _lease_holder(k8s),
+        bool,
+        timeout=STARTUP,
+    )
+    return restarter, intake_port
+
+
+def _lease_holder(k8s: KwokCluster) -> str | None:
+    try:
+        lease = k8s.coordination.read_namespaced_lease(LEASE, k8s.namespace)
+    except ApiException as exc:
+        if exc.status == NOT_FOUND:
+            return None
+        raise
+    return lease.spec.holder_identity or None
+
+
+def _answers(url: str, process: Process) -> bool:
+    process.check_alive()
+    try:
+        with urllib.request.urlopen(url, timeout=2) as answer:  # noqa: S310 - http on loopback
+            return bool(answer.status == 200)
+    except OSError:
+        return False
+
+
+# --- scenarios ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    name: str
+    fault_at: float
+    replacement_running_at: float | None
+    recovered: Recovery | None
+    note: str = ""
+
+    def lines(self) -> list[str]:
+        def at(t: float | None) -> str:
+            return "—" if t is None else f"+{t - self.fault_at:7.2f} s"
+
+        found = self.recovered
+        rows = [
+            f"{'fault':<38} {at(self.fault_at)}  {self.note}".rstrip(),
+            f"{'replacement Running':<38} {at(self.replacement_running_at)}",
+            f"{'training resumed at world size ' + str(WORLD):<38} "
+            + (at(found.resumed_at) if found else "—"),
+        ]
+        if found is not None and found.going_again_at < found.resumed_at:
+            rows.insert(
+                2,
+                f"{'training going on at world size ' + str(found.going_again_world):<38} "
+                + at(found.going_again_at),
+            )
+        if found is not None:
+            rows.append(
+                f"{'steps lost':<38} {found.steps_lost} (newest step {found.last_step_before}, "
+                f"resumed from checkpoint {found.resumed_from})"
+            )
+        return rows
+
+    def figures(self) -> dict[str, Any]:
+        found = self.recovered
+        return {
+            "scenario": self.name,
+            "fault_to_replacement_running_s": (
+                None
+                if self.replacement_running_at is None
+                else round(self.replacement_running_at - self.fault_at, 3)
+            ),
+            "fault_to_training_resumed_s": (
+                None if found is None else round(found.resumed_at - self.fault_at, 3)
+            ),
+            "fault_to_training_going_s": (
+                None if found is None else round(found.going_again_at - self.fault_at, 3)
+            ),
+            "steps_lost": None if found is None else found.steps_lost,
+            "note": self.note,
+        }
+
+
+def report(job: Job, outcome: Outcome) -> None:
+    title = f"training through faults: {outcome.name} (t=0 at the fault)"
+    lines = outcome.lines()
+    print(f"\n{title}")
+    print("\n".join(lines))
+    _SUMMARY.append((title, lines))
+    job.timelines.append(outcome.figures())
+
+
+def wait_resumed(job: Job, fault_at: float, what: str) -> Recovery:
+    found: Recovery = wait_for(
+        f"training resumed at world size {WORLD} after {what}",
+        lambda: recovery(job.logs.reports(), fault_at, WORLD),
+        bool,
+        timeout=RECOVERY,
+    )
+    return found
+
+
+def replacement_running(job: Job, old_name: str) -> bool:
+    """A replacement of `old_name` (named by the restarter's annotation) is Running."""
+    return any(
+        (p.metadata.annotations or {}).get(REPLACES_ANNOTATION) == old_name
+        and p.status.phase == "Running"
+        for p in job.pods()
+    )
+
+
+def replaced_scenario(job: Job, name: str, victim: Any, fault: Callable[[], str]) -> Outcome:
+    """Inject `fault` (it returns a note) against pod `victim`; the restarter must replace it
+    and training resume at full size."""
+    fault_at = time.time()
+    note = fault()
+    seen: dict[str, Any] = {}
+
+    def observe() -> bool:
+        if "running" not in seen and replacement_running(job, victim.metadata.name):
+            seen["running"] = time.time()
+        found = seen.get("resumed") or recovery(job.logs.reports(), fault_at, WORLD)
+        if found is not None:
+            seen["resumed"] = found
+        return "running" in seen and found is not None
+
+    try:
+        wait_for(f"{name}: a Running replacement and training resumed", observe, bool, RECOVERY)
+    finally:
+        report(job, Outcome(name, fault_at, seen.get("running"), seen.get("resumed"), note))
+    return Outcome(name, fault_at, seen["running"], seen["resumed"], note)
+
+
+def xid_on(job: Job, pod: Any) -> str:
+    node = pod.spec.node_name
+    agent = job.agents[node]
+    [gpu] = pod_devices(job.nodes[node], job.k8s.namespace, pod.metadata.name)["trainer"][
+        GPU_RESOURCE
+    ]
+    index = next(d["index"] for d in agent.devices() if d["id"] == gpu)
+    inject.inject_xid(agent.tree, index, XID)
+    return f"XID {XID} on GPU {index} of {pod.metadata.name} ({node})"
+
+
+# --- the test -----------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(1500)
+def test_training_keeps_going_through_faults(  # noqa: PLR0917 - fixtures
+    k8s_managed: KwokCluster,
+    k8s_managed_plane: testcluster.ControlPlane,
+    managed_kubelet_nodes: Callable[..., testnode.Node],
+    managed_scheduler: Process,
+    policy_crd: None,
+    trainer_python: Path,
+    etcd: str,
+    processes: list[Process],
+    tmp_path: Path,
+) -> None:
+    k8s = k8s_managed
+    ns = k8s.namespace
+    workdir = tmp_path / "train"
+    (workdir / "checkpoints").mkdir(parents=True)
+    (workdir / "home").mkdir()
+
+    nodes = {}
+    for _ in range(WORLD):
+        node = managed_kubelet_nodes(exec_mode=True)
+        k8s.core.patch_node(
+            node.name, {"metadata": {"labels": {POOL_LABEL: ns}}}, _content_type=MERGE
+        )
+        nodes[node.name] = node
+    logs = TrainerLogs(list(nodes.values()))
+
+    k8s.create_service_account(AGENT_SA)
+    restarter, intake_port = start_restarter(k8s, k8s_managed_plane, tmp_path, processes)
+    agents = {}
+    for name, node in nodes.items():
+        [intake_token] = bound_tokens(
+            k8s.core, ns, name, AGENT_SA, [[AUDIENCE]], command=["sleep", "infinity"]
+        )
+        directory = tmp_path / f"agent-{name}"
+        directory.mkdir()
+        (directory / "intake-token").write_text(intake_token)
+        agent = node_agent(
+            node,
+            PROFILE,
+            directory,
+            f"--restarter-address=127.0.0.1:{intake_port}",
+            f"--set=node.kubeconfig={k8s_managed_plane.kubeconfig}",
+            f"--set=faults.token_file={directory / 'intake-token'}",
+        )
+        assert agent.process is not None
+        processes.append(agent.process)
+        agents[name] = agent
+    for name in nodes:
+        wait_for(
+            f"{name}: GPUs allocatable",
+            lambda n=name: k8s.core.read_node(n).status.allocatable or {},
+            lambda allocatable: allocatable.get(GPU_RESOURCE) == "8",
+            timeout=STARTUP,
+        )
+    objects = client.CustomObjectsApi(k8s.api)
+    objects.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, policy_body(ns))
+    job = Job(k8s, nodes, agents, restarter, logs, workdir)
+
+    # --- training makes progress with world size 3 -------------------------------------------
+    started = time.time()
+    for index, node_name in enumerate(nodes):
+        k8s.core.create_namespaced_pod(
+            ns,
+            worker_pod(
+                index, node=node_name, pool=ns, python=trainer_python, etcd=etcd, workdir=workdir
+            ),
+        )
+    wait_for(
+        f"training at world size {WORLD}",
+        logs.reports,
+        lambda reports: progressing(reports, WORLD, started, PROGRESS_STEPS),
+        timeout=STARTUP,
+    )
+
+    try:
+        # --- XID on the GPU a worker holds
+        victim = job.worker(0)
+        replaced_scenario(job, f"XID {XID} on a worker's GPU", victim, lambda: xid_on(job, victim))
+
+        # --- a launcher exits 101 (a policy code)
+        victim = job.worker(1)
+        replaced_scenario(
+            job,
+            "a launcher exits 101",
+            victim,
+            lambda: _exit(job, victim, 101),
+        )
+
+        # --- a launcher exits 1: kubelet restarts it in place
+        victim = job.worker(2)
+        fault_at = time.time()
+        note = _exit(job, victim, 1)
+        found = wait_resumed(job, fault_at, "an exit 1")
+        outcome = Outcome("a launcher exits 1 (restarted in place)", fault_at, None, found, note)
+        report(job, outcome)
+        again = k8s.read_pod(victim.metadata.name)
+        assert again.metadata.uid == victim.metadata.uid, "the pod itself must stay"
+        assert again.status.container_statuses[0].restart_count >= 1
+        assert not any(
+            (p.metadata.annotations or {}).get(REPLACES_ANNOTATION) == victim.metadata.name
+            for p in job.pods()
+        ), "an in-place restart must not also be replaced"
+
+        # --- a worker pod force-deleted -----------------------------------------------------------
+        victim = job.worker(2)
+        replaced_scenario(
+            job,
+            "a worker pod force-deleted",
+            victim,
+            lambda: _force_delete(job, victim),
+        )
+
+        # --- a node dies
+        victim = job.worker(0)
+        dead = victim.spec.node_name
+        replaced_scenario(
+            job, "a node dies (kubelet and runtime stop)", victim, lambda: _kill(job, dead)
+        )
+        assert all(p.spec.node_name != dead for p in job.pods())
+
+        # --- the baseline: the same XID, no restarter
+        assert restarter.stop() == 0
+        victim = job.worker(1)
+        fault_at = time.time()
+        note = xid_on(job, victim)
+        deadline = fault_at + BASELINE_WINDOW
+        while time.time() < deadline:
+            time.sleep(1.0)  # a fixed window is the measurement itself: what happens without us
+        still = k8s.read_pod(victim.metadata.name)
+        reports = [r for r in logs.reports() if r.t > fault_at and r.event == "step"]
+        worlds = sorted({r.world for r in reports})
+        outcome = Outcome(
+            "baseline: the same XID, restarter stopped",
+            fault_at,
+            None,
+            None,
+            f"{note}; after {BASELINE_WINDOW:.0f} s: pod {still.status.phase}, not replaced; "
+            f"trainers' world sizes since: {worlds or 'none'}",
+        )
+        report(job, outcome)
+        assert still.metadata.deletion_timestamp is None
+        assert not any(
+            (p.metadata.annotations or {}).get(REPLACES_ANNOTATION) == victim.metadata.name
+            for p in job.pods()
+        )
+    finally:
+        figures = os.environ.get("EDL_TRAINING_FIGURES")
+        if figures:
+            Path(figures).write_text(json.dumps(job.timelines, indent=2) + "\n")
+        for pod in job.pods():
+            k8s.core.delete_namespaced_pod(pod.metadata.name, ns, grace_period_seconds=0)
+
+
+def _exit(job: Job, pod: Any, code: int) -> str:
+    node = job.nodes[pod.spec.node_name]
+    node.exit_container(job.k8s.namespace, pod.metadata.name, "trainer", code)
+    return f"{pod.metadata.name}'s launcher exits {code} ({pod.spec.node_name})"
+
+
+def _force_delete(job: Job, pod: Any) -> str:
+    job.k8s.core.delete_namespaced_pod(pod.metadata.name, job.k8s.namespace, grace_period_seconds=0)
+    return f"{pod.metadata.name} force-deleted ({pod.spec.node_name})"
+
+
+def _kill(job: Job, node: str) -> str:
+    job.nodes[node].stop(delete_node=False)
+    return f"node {node} stopped (its Node object stays)"
