@@ -15,8 +15,10 @@ from typing import Any
 import pytest
 import yaml
 from k8s_test_helpers import KwokCluster, wait_for
+from kube_tools import Kubectl
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+from manifests import dry_run_warnings
 
 from edl_agent.faults.model import Fault, FaultKind, PodRef
 from edl_agent.restarter.decide import Action, decide
@@ -241,3 +243,24 @@ def test_the_status_subresource_keeps_what_the_restarter_records(
     objects.replace_namespaced_custom_object(GROUP, VERSION, k8s.namespace, PLURAL, name, stored)
     again = objects.get_namespaced_custom_object(GROUP, VERSION, k8s.namespace, PLURAL, name)
     assert again["status"] == status
+
+
+def test_the_paddle_elastic_example_passes_a_server_side_dry_run(
+    crd: Any, k8s: KwokCluster, kubectl: Kubectl
+) -> None:
+    """deploy/examples/paddle-elastic-job.yaml: a policy the CRD and our parser accept, and
+    worker pods whose container restart rules the API server keeps (it would drop fields it
+    does not know)."""
+    example = DEPLOY.parent / "examples" / "paddle-elastic-job.yaml"
+    tried = kubectl("create", "--dry-run=server", "-n", k8s.namespace, f"-f={example}", "-o=json")
+    made, text, decoder = [], tried.stdout.strip(), json.JSONDecoder()
+    while text:  # one JSON object per document, one after the other
+        item, end = decoder.raw_decode(text)
+        made.append(item)
+        text = text[end:].lstrip()
+    assert [m["kind"] for m in made] == ["FaultTolerancePolicy", "Pod", "Pod", "Pod"]
+    assert len(parse_policy(made[0]["spec"]).rules) == 2
+    for pod in made[1:]:
+        [container] = pod["spec"]["containers"]
+        assert container["restartPolicyRules"][0]["exitCodes"]["values"] == [101, 129]
+    assert not dry_run_warnings(tried.stderr), tried.stderr
