@@ -41,7 +41,7 @@ def slug(scenario: str) -> str:
 def one_round(number: int) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="edl-training-bench-") as scratch:
         figures = Path(scratch) / "figures.json"
-        env = {**os.environ, "EDL_TRAINING_FIGURES": str(figures)}
+        env = {**os.environ, "TRAINING_FIGURES_FILE": str(figures)}
         print(f"[training_faults] round {number}: pytest {TEST}", file=sys.stderr, flush=True)
         done = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", TEST],

@@ -18,7 +18,7 @@ checkpoint and making steps:
 - the baseline: the same XID with the restarter stopped, measured over a fixed window.
 
 Each scenario's timeline (fault → replacement Running → training resumed at full size, steps
-lost) is printed in pytest's terminal summary; with EDL_TRAINING_FIGURES=FILE set they are also
+lost) is printed in pytest's terminal summary; with TRAINING_FIGURES_FILE=FILE set they are also
 written there as JSON (bench/training_faults.py runs rounds of this test that way).
 
 The trainer's environment comes from scripts/trainer-env (PaddlePaddle, cached in .cache)."""
@@ -321,6 +321,48 @@ def start_restarter(
     return restarter, intake_port
 
 
+def start_restarter_and_agents(
+    k8s: KwokCluster,
+    plane: testcluster.ControlPlane,
+    nodes: dict[str, testnode.Node],
+    tmp_path: Path,
+    processes: list[Process],
+) -> tuple[Process, dict[str, NodeAgent]]:
+    """The restarter (admin credentials: its RBAC is proven in test_e2e.py) and an agent on each
+    node reporting to it with a token bound to a pod on its node; returns once every node has
+    its 8 GPUs allocatable."""
+    k8s.create_service_account(AGENT_SA)
+    restarter, intake_port = start_restarter(k8s, plane, tmp_path, processes)
+    agents = {}
+    for name, node in nodes.items():
+        [intake_token] = bound_tokens(
+            k8s.core, k8s.namespace, name, AGENT_SA, [[AUDIENCE]], command=["sleep", "infinity"]
+        )
+        directory = tmp_path / f"agent-{name}"
+        directory.mkdir()
+        (directory / "intake-token").write_text(intake_token)
+        agent = node_agent(
+            node,
+            PROFILE,
+            directory,
+            f"--restarter-address=127.0.0.1:{intake_port}",
+            f"--set=node.kubeconfig={plane.kubeconfig}",
+            f"--set=faults.token_file={directory / 'intake-token'}",
+        )
+        assert agent.process is not None
+        processes.append(agent.process)
+        agents[name] = agent
+    for name in nodes:
+        wait_for(
+            f"{name}: GPUs allocatable",
+            lambda n=name: k8s.core.read_node(n).status.allocatable or {},
+            lambda allocatable: allocatable.get(GPU_RESOURCE) == "8",
+            timeout=STARTUP,
+            alive=agents[name].process,
+        )
+    return restarter, agents
+
+
 def _lease_holder(k8s: KwokCluster) -> str | None:
     try:
         lease = k8s.coordination.read_namespaced_lease(LEASE, k8s.namespace)
@@ -486,34 +528,9 @@ def test_training_keeps_going_through_faults(  # noqa: PLR0917 - fixtures
         nodes[node.name] = node
     logs = TrainerLogs(list(nodes.values()))
 
-    k8s.create_service_account(AGENT_SA)
-    restarter, intake_port = start_restarter(k8s, k8s_managed_plane, tmp_path, processes)
-    agents = {}
-    for name, node in nodes.items():
-        [intake_token] = bound_tokens(
-            k8s.core, ns, name, AGENT_SA, [[AUDIENCE]], command=["sleep", "infinity"]
-        )
-        directory = tmp_path / f"agent-{name}"
-        directory.mkdir()
-        (directory / "intake-token").write_text(intake_token)
-        agent = node_agent(
-            node,
-            PROFILE,
-            directory,
-            f"--restarter-address=127.0.0.1:{intake_port}",
-            f"--set=node.kubeconfig={k8s_managed_plane.kubeconfig}",
-            f"--set=faults.token_file={directory / 'intake-token'}",
-        )
-        assert agent.process is not None
-        processes.append(agent.process)
-        agents[name] = agent
-    for name in nodes:
-        wait_for(
-            f"{name}: GPUs allocatable",
-            lambda n=name: k8s.core.read_node(n).status.allocatable or {},
-            lambda allocatable: allocatable.get(GPU_RESOURCE) == "8",
-            timeout=STARTUP,
-        )
+    restarter, agents = start_restarter_and_agents(
+        k8s, k8s_managed_plane, nodes, tmp_path, processes
+    )
     objects = client.CustomObjectsApi(k8s.api)
     objects.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, policy_body(ns))
     job = Job(k8s, nodes, agents, restarter, logs, workdir)
@@ -606,7 +623,7 @@ def test_training_keeps_going_through_faults(  # noqa: PLR0917 - fixtures
             for p in job.pods()
         )
     finally:
-        figures = os.environ.get("EDL_TRAINING_FIGURES")
+        figures = os.environ.get("TRAINING_FIGURES_FILE")
         if figures:
             Path(figures).write_text(json.dumps(job.timelines, indent=2) + "\n")
         for pod in job.pods():
