@@ -572,11 +572,19 @@ def start_restarter(
         timeout=STARTUP_TIMEOUT,
     )
     restarter_api.close()
+    return spawn_restarter(k8s, restarter_kubeconfig, tmp_path, processes)
+
+
+def spawn_restarter(
+    k8s: KwokCluster, kubeconfig: Path, tmp_path: Path, processes: list[Process]
+) -> tuple[Process, int]:
+    """`edl-agent restarter` with `kubeconfig`, once it leads and is ready; its intake port."""
+    ns = k8s.namespace
     intake_port, metrics_port = free_port(), free_port()
     argv = [
         EDL_AGENT,
         "restarter",
-        f"--kubeconfig={restarter_kubeconfig}",
+        f"--kubeconfig={kubeconfig}",
         f"--listen=127.0.0.1:{intake_port}",
         f"--agent-service-account={ns}/{AGENT_SA}",
         f"--namespace={ns}",

@@ -24,8 +24,9 @@ from k8s_test_helpers import GPU_RESOURCE, KwokCluster, wait_for
 from kubelet_helpers import pod_devices
 from kubernetes import client
 from scheduler import Process
+from test_e2e import processes
 from test_restarter import GROUP, PLURAL, VERSION
-from test_training import policy_crd, processes, start_restarter_and_agents
+from test_training import policy_crd, start_restarter_and_agents
 
 from edl_agent.faults.pod_faults import DISRUPTION_REASON
 from edl_agent.sim import inject

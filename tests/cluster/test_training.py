@@ -42,16 +42,17 @@ import testnode
 from k8s_test_helpers import GPU_RESOURCE, KwokCluster, bound_tokens, wait_for
 from kubelet_helpers import NodeAgent, node_agent, pod_devices
 from kubernetes import client
-from kubernetes.client.exceptions import ApiException
-from scheduler import Process, ProcessError, free_port, spawn, start_scheduler, tail
-from test_e2e import (
+from scheduler import Process, ProcessError, free_port, spawn, start_scheduler
+from test_e2e import (  # fixtures too: pytest finds them among the module's names
+    _TIMELINES,
     AGENT_SA,
     AUDIENCE,
-    EDL_AGENT,
     JOB,
-    LEASE,
     POOL_LABEL,
+    _summary,
     policy_body,
+    processes,
+    spawn_restarter,
     worker_labels,
 )
 from test_restarter import CRD, GROUP, PLURAL, VERSION
@@ -59,6 +60,8 @@ from test_restarter import CRD, GROUP, PLURAL, VERSION
 from edl_agent.restarter.replacement import REPLACES_ANNOTATION
 from edl_agent.sim import inject
 from tests.training.progress import Recovery, Report, parse, progressing, recovery
+
+__all__ = ["_summary", "processes"]
 
 pytestmark = pytest.mark.kubelet
 
@@ -68,29 +71,10 @@ WORLD = 3
 PROFILE = "dgx-h100"
 XID = 95
 MERGE = "application/merge-patch+json"
-NOT_FOUND = 404
 STARTUP = 180.0
 RECOVERY = 150.0  # fault → training back at full size; Paddle's own share is ~17 s
 BASELINE_WINDOW = 45.0
 PROGRESS_STEPS = 30
-
-_SUMMARY: list[tuple[str, list[str]]] = []
-
-
-class _Summary:
-    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        for title, lines in _SUMMARY:
-            terminalreporter.write_sep("-", title)
-            for line in lines:
-                terminalreporter.write_line(line)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _summary(request: pytest.FixtureRequest) -> None:
-    manager = request.config.pluginmanager
-    if not manager.has_plugin("edl-training-summary"):
-        manager.register(_Summary(), "edl-training-summary")
-
 
 # --- the trainers' logs -------------------------------------------------------------------------
 
@@ -190,20 +174,6 @@ def policy_crd(k8s_managed: KwokCluster) -> None:
     )
 
 
-@pytest.fixture
-def processes() -> Iterator[list[Process]]:
-    """Processes a test starts; stopped in reverse order afterwards, each must exit 0."""
-    started: list[Process] = []
-    yield started
-    codes = {}
-    for process in reversed(started):
-        codes[process.name] = process.stop()
-        if codes[process.name] != 0:
-            print(f"\n--- {process.name} (exit {codes[process.name]}), log {process.log}:")
-            print(tail(process.log, 15))
-    assert codes == dict.fromkeys(codes, 0), f"unclean exits: {codes}"
-
-
 # --- the job ------------------------------------------------------------------------------------
 
 
@@ -293,34 +263,6 @@ def worker_pod(
     }
 
 
-def start_restarter(
-    k8s: KwokCluster, plane: testcluster.ControlPlane, tmp_path: Path, processes: list[Process]
-) -> tuple[Process, int]:
-    intake_port, metrics_port = free_port(), free_port()
-    argv = [
-        EDL_AGENT,
-        "restarter",
-        f"--kubeconfig={plane.kubeconfig}",
-        f"--listen=127.0.0.1:{intake_port}",
-        f"--agent-service-account={k8s.namespace}/{AGENT_SA}",
-        f"--namespace={k8s.namespace}",
-        f"--audience={AUDIENCE}",
-        f"--lease-namespace={k8s.namespace}",
-        f"--lease-name={LEASE}",
-        f"--metrics-addr=127.0.0.1:{metrics_port}",
-        "--log-format=json",
-    ]
-    restarter = spawn("restarter", argv, tmp_path / "restarter")
-    processes.append(restarter)
-    wait_for(
-        "the restarter to lead",
-        lambda: _lease_holder(k8s),
-        bool,
-        timeout=STARTUP,
-    )
-    return restarter, intake_port
-
-
 def start_restarter_and_agents(
     k8s: KwokCluster,
     plane: testcluster.ControlPlane,
@@ -332,7 +274,7 @@ def start_restarter_and_agents(
     node reporting to it with a token bound to a pod on its node; returns once every node has
     its 8 GPUs allocatable."""
     k8s.create_service_account(AGENT_SA)
-    restarter, intake_port = start_restarter(k8s, plane, tmp_path, processes)
+    restarter, intake_port = spawn_restarter(k8s, plane.kubeconfig, tmp_path, processes)
     agents = {}
     for name, node in nodes.items():
         [intake_token] = bound_tokens(
@@ -361,16 +303,6 @@ def start_restarter_and_agents(
             alive=agents[name].process,
         )
     return restarter, agents
-
-
-def _lease_holder(k8s: KwokCluster) -> str | None:
-    try:
-        lease = k8s.coordination.read_namespaced_lease(LEASE, k8s.namespace)
-    except ApiException as exc:
-        if exc.status == NOT_FOUND:
-            return None
-        raise
-    return lease.spec.holder_identity or None
 
 
 def _answers(url: str, process: Process) -> bool:
@@ -442,7 +374,7 @@ def report(job: Job, outcome: Outcome) -> None:
     lines = outcome.lines()
     print(f"\n{title}")
     print("\n".join(lines))
-    _SUMMARY.append((title, lines))
+    _TIMELINES.append((title, lines))
     job.timelines.append(outcome.figures())
 
 
