@@ -63,7 +63,7 @@ SETTINGS_EPILOG = (
     + "\n"
 )
 
-# `discover --format json`: tests/test_cli.py checks it against real output.
+# `discover --format json`: tests/test_cli_help.py checks it against real output.
 DISCOVER_JSON_SHAPE = (
     '{"node", "devices": [...], "resources": [{"name", "devices": [ids]}], '
     '"vendors": [{"vendor", "count", "driver", "error"}]}'
