@@ -7,8 +7,10 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import sys
 import tempfile
+import textwrap
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -18,11 +20,17 @@ import structlog
 from edl_agent import __version__, log
 from edl_agent.config import DraSettings, Settings, load_settings
 from edl_agent.devices.model import Inventory
-from edl_agent.errors import Unavailable, UsageError
+from edl_agent.errors import Unavailable, UsageError, did_you_mean
 from edl_agent.hosts import command as hosts_command
 from edl_agent.preflight import check_host_root
 from edl_agent.restarter import cli as restarter_cli
-from edl_agent.settings_loader import ConfigError, assignment, describe_settings, set_path
+from edl_agent.settings_loader import (
+    PRECEDENCE,
+    ConfigError,
+    assignment,
+    describe_settings,
+    set_path,
+)
 from edl_agent.sim import commands as sim_commands_module
 
 if TYPE_CHECKING:
@@ -42,11 +50,24 @@ restarter about them. Every command reads the node under --host-root (default /)
 simulated node built from a profile with --simulate PROFILE (see `edl-agent simulate list`).
 """
 
-SETTINGS_EPILOG = """\
-settings: every key below can come from --config FILE (YAML), from an EDL_* environment variable
-(EDL_LOG_LEVEL=debug, EDL_NVIDIA__MIG_STRATEGY=mixed) or from --set KEY=VALUE; flags win over the
-environment, the environment over the file. `edl-agent config` lists every key.
-"""
+SETTINGS_EPILOG = (
+    textwrap.fill(
+        "settings: every key (`edl-agent config --keys` lists them, with their defaults and "
+        "meanings) can come from --config FILE (YAML), from an EDL_* environment variable "
+        "(EDL_LOG_LEVEL=debug, EDL_NVIDIA__MIG_STRATEGY=mixed) or from --set KEY=VALUE; "
+        f"{PRECEDENCE}, and the file over a simulated profile's defaults. `edl-agent config` "
+        "prints the effective settings.",
+        width=96,
+        break_on_hyphens=False,
+    )
+    + "\n"
+)
+
+# `discover --format json`: tests/test_cli_help.py checks it against real output.
+DISCOVER_JSON_SHAPE = (
+    '{"node", "devices": [...], "resources": [{"name", "devices": [ids]}], '
+    '"vendors": [{"vendor", "count", "driver", "error"}]}'
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -70,9 +91,40 @@ def error_line(message: str) -> str:
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, with its mistakes reported like every other bad input: one line, exit 2."""
+    """argparse, with its mistakes reported like every other bad input: one line, exit 2, and
+    the closest flag or command for a mistyped one (argparse's own `suggest_on_error` is 3.14+)."""
+
+    # The namespace attribute where the (sub)parser that met an unknown flag leaves its hint.
+    HINT = "_edl_flag_hint"
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        # The innermost parser runs first and knows the flags of its command: its hint stays.
+        if extras and not getattr(parsed, self.HINT, ""):
+            known = [o for action in self._actions for o in action.option_strings]
+            flags = (e.partition("=")[0] for e in extras if e.startswith("--"))
+            hints = (did_you_mean(flag, known) for flag in flags)
+            setattr(parsed, self.HINT, next((h for h in hints if h), ""))
+        return parsed, extras
+
+    def parse_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> argparse.Namespace:
+        parsed, extras = self.parse_known_args(args, namespace)
+        hint = getattr(parsed, self.HINT, "")
+        if hasattr(parsed, self.HINT):
+            delattr(parsed, self.HINT)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+        return parsed
 
     def error(self, message: str) -> NoReturn:
+        choice = re.match(r"argument .*: invalid choice: '(.*?)' \(choose from (.*)\)$", message)
+        if choice:
+            known = [c.strip(" '") for c in choice.group(2).split(",")]
+            message += did_you_mean(choice.group(1), known)
         self.exit(EXIT_USAGE, error_line(f"{message} (see {self.prog} --help)") + "\n")
 
 
@@ -103,8 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--format",
         choices=("table", "json"),
         default="table",
-        help="table for people (default), json for programs: "
-        '{"node", "devices": [...], "resources": [{"name", "devices": [ids]}]}',
+        help=f"table for people (default), json for programs: {DISCOVER_JSON_SHAPE}",
     )
     discover.add_argument(
         "--topology",
@@ -177,9 +228,19 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[node],
         help="print the effective settings, or every key with its default",
         description="Print the settings after merging the config file, EDL_* environment and "
-        "flags (and the profile's defaults with --simulate), as YAML-compatible JSON.",
+        "flags (and the profile's defaults with --simulate), as the agent would use them: "
+        "node_name resolved as the agent resolves it (the setting, else $NODE_NAME, else the "
+        "host root's /etc/hostname, else this machine's hostname), paths made absolute.",
+        epilog=SETTINGS_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     config.add_argument("--keys", action="store_true", help="list every key, default and meaning")
+    config.add_argument(
+        "--format",
+        choices=("yaml", "json"),
+        default="yaml",
+        help="yaml (default; a valid --config file) or json",
+    )
     config.set_defaults(handler=_config)
 
     sim_commands = commands.add_parser(
@@ -467,11 +528,29 @@ def _config(args: argparse.Namespace) -> int:
         for key, default, meaning in describe_settings(Settings):
             print(f"{key:32} {default:24} {meaning}")
         return 0
-    from dataclasses import asdict
-
     with node_settings(args) as settings:
-        print(json.dumps(asdict(settings), indent=2))
+        print(render_config(resolved(settings), fmt=args.format), end="")
     return 0
+
+
+def resolved(settings: Settings) -> Settings:
+    """The settings as the agent uses them: the node's name resolved as discovery does."""
+    from edl_agent.devices.discovery import node_name
+    from edl_agent.devices.hostroot import HostRoot
+
+    name = node_name(settings, HostRoot.at(settings.host_root), os.environ)
+    return dataclasses.replace(settings, node_name=name)
+
+
+def render_config(settings: Settings, *, fmt: str) -> str:
+    """`settings` as YAML (block style, in the schema's order) or as JSON."""
+    plain = json.loads(json.dumps(dataclasses.asdict(settings)))  # tuples and enums made plain
+    if fmt == "json":
+        return json.dumps(plain, indent=2) + "\n"
+    import yaml
+
+    text: str = yaml.safe_dump(plain, sort_keys=False, default_flow_style=False, width=1000)
+    return text
 
 
 def _simulate_record(args: argparse.Namespace) -> int:
@@ -499,11 +578,12 @@ def _simulate_record(args: argparse.Namespace) -> int:
 
 def render_table(inventory: Inventory) -> str:
     header = ("VENDOR", "KIND", "INDEX", "ID", "PRODUCT", "MEMORY", "NUMA", "PCI", "HEALTH")
+    index_of = {d.id: d.index for d in inventory.devices}
     rows = [
         (
             d.vendor.value,
             d.kind,
-            str(d.index),
+            str(d.index) if d.parent is None else f"{index_of.get(d.parent, '?')}:{d.index}",
             d.id,
             d.product,
             f"{d.memory_mib} MiB",
@@ -513,9 +593,13 @@ def render_table(inventory: Inventory) -> str:
         )
         for d in inventory.devices
     ]
-    lines = [f"node {inventory.node}: {len(rows)} devices"]
+    lines = [f"node {inventory.node}: {device_counts(inventory)}"]
     if rows:
         lines += _columns([header, *rows])
+    else:
+        from edl_agent.labels.condition import no_accelerators
+
+        lines.append(no_accelerators(inventory).message)
     for vendor, error in sorted(inventory.errors.items()):
         lines.append(f"error {vendor}: {error}")
     lines.append("")
@@ -523,6 +607,22 @@ def render_table(inventory: Inventory) -> str:
         [("RESOURCE", "COUNT"), *((r.name, str(len(r.units))) for r in inventory.resources)]
     )
     return "\n".join(lines)
+
+
+# How the table counts each kind of device (a MIG device is a slice of a GPU, not another GPU).
+KIND_NAMES = {"gpu": "GPU", "mig": "MIG device", "npu": "NPU", "xpu": "XPU", "dcu": "DCU"}
+
+
+def device_counts(inventory: Inventory) -> str:
+    """`8 GPUs, 24 MIG devices`: each kind counted apart, in the order they are listed."""
+    counts: dict[str, int] = {}
+    for device in inventory.devices:
+        counts[device.kind] = counts.get(device.kind, 0) + 1
+    if not counts:
+        return "0 accelerators"
+    return ", ".join(
+        f"{n} {KIND_NAMES.get(kind, kind)}{'' if n == 1 else 's'}" for kind, n in counts.items()
+    )
 
 
 def _columns(rows: Sequence[Sequence[str]]) -> list[str]:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from edl_agent.errors import shorten
+from edl_agent.errors import did_you_mean, shorten
 from edl_agent.typed import SchemaError, build
 
 T = TypeVar("T")
@@ -34,6 +34,8 @@ ENV_PREFIXES = (ENV_PREFIX, RESTARTER_ENV_PREFIX)
 MAX_CONFIG_BYTES = 1024 * 1024
 # The key of a field's help text in its metadata.
 HELP = "help"
+# Which layer wins, the same for both processes: `--help` and the README say it in these words.
+PRECEDENCE = "flags win over --set, --set over the environment, the environment over the file"
 # Logging, the same for both processes.
 LogLevel = Literal["debug", "info", "warning", "error"]
 LogFormat = Literal["auto", "json", "console"]
@@ -207,8 +209,25 @@ def _describe(cls: type[Any], prefix: str, rows: list[tuple[str, str, str]]) -> 
         default: Any = f.default
         if f.default_factory is not dataclasses.MISSING:
             default = f.default_factory()
-        shown = "required" if default is dataclasses.MISSING else repr(default)
+        shown = "required" if default is dataclasses.MISSING else shown_value(default)
         rows.append((key, shown, f.metadata.get(HELP, "")))
+
+
+def shown_value(value: Any) -> str:
+    """A default as a YAML flow/JSON value, as one writes it in a file or `--set`: `true`,
+    `[]`, `"info"`, `{"a": 1}`."""
+    import json
+
+    def plain(item: Any) -> Any:
+        if dataclasses.is_dataclass(item) and not isinstance(item, type):
+            return plain(dataclasses.asdict(item))
+        if isinstance(item, Mapping):
+            return {str(k): plain(v) for k, v in item.items()}
+        if isinstance(item, list | tuple | set | frozenset):
+            return [plain(v) for v in item]
+        return item
+
+    return json.dumps(plain(value), default=str)
 
 
 def _hint_at(root: type[Any], path: list[str]) -> Any:
@@ -267,7 +286,9 @@ def _check_layer(root: type[Any], layer: Mapping[str, Any], source: str) -> None
     for key in layer:
         if key not in known:
             shown = shorten(str(key))
-            msg = f"{shown}: unknown key (from {source}; known keys: {', '.join(sorted(known))})"
+            hint = did_you_mean(str(key), known)
+            listed = ", ".join(sorted(known))
+            msg = f"{shown}: unknown key{hint} (from {source}; known keys: {listed})"
             raise ConfigError(msg)
 
 

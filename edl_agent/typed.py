@@ -16,7 +16,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
-from edl_agent.errors import shorten
+from edl_agent.errors import did_you_mean, shorten
 
 T = TypeVar("T")
 # Every integer setting fits in 64 bits (Kubernetes quantities, protobuf fields, C libraries);
@@ -51,7 +51,10 @@ def build(cls: type[T], data: Any, where: str = "") -> T:
     unknown = sorted(str(key) for key in data if key not in fields)
     if unknown:
         known = ", ".join(sorted(fields))
-        raise SchemaError(_join(where, shorten(unknown[0])), f"unknown key (known keys: {known})")
+        hint = did_you_mean(unknown[0], fields, prefix=_join(where, ""))
+        raise SchemaError(
+            _join(where, shorten(unknown[0])), f"unknown key{hint} (known keys: {known})"
+        )
     values: dict[str, Any] = {}
     for name, field in fields.items():
         key_where = _join(where, name)

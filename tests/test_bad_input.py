@@ -1040,5 +1040,5 @@ def test_a_documented_word_yaml_reads_as_a_bool_means_itself(
         with monkeypatch.context() as scoped:
             for key, value in env.items():
                 scoped.setenv(key, value)
-            assert main(["config", "--host-root", str(tmp_path), *argv]) == 0
+            assert main(["config", "--host-root", str(tmp_path), "--format", "json", *argv]) == 0
         assert '"labels": "off"' in capsys.readouterr().out

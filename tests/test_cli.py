@@ -105,7 +105,7 @@ def test_build_then_discover_host_root(tmp_path: Path, capsys: pytest.CaptureFix
 def test_table_output(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["discover", "--simulate", "mixed-gpu-npu", "--log-level", "error"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("node sim-mixed: 8 devices")
+    assert out.startswith("node sim-mixed: 4 GPUs, 4 NPUs")
     assert "NVIDIA A100-PCIE-40GB" in out
     assert "huawei.com/Ascend910  4" in out
 

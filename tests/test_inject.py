@@ -14,6 +14,7 @@ from edl_agent.devices import hygon, kunlunxin, nvidia
 from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.model import Health, Vendor
 from edl_agent.sim import ascend_tree, inject
+from edl_agent.sim import inject_cli as inject_cli_module
 from edl_agent.sim.profile import load_profile
 from edl_agent.sim.tree import build_tree
 
@@ -268,3 +269,42 @@ def test_the_simulated_npu_smi_resets_a_chip(tmp_path: Path) -> None:
     row = next(line for line in info.splitlines() if line.startswith("| 3 "))
     assert "OK" in row
     assert "Critical" not in info
+
+
+@pytest.mark.parametrize(
+    ("present", "polled", "says"),
+    [
+        ([Vendor.NVIDIA], True, "/t has nvidia GPUs only; --health is for ascend, hygon and"),
+        ([], True, "/t: no simulated devices found"),
+        ([], False, "/t: no simulated devices found"),
+        ([Vendor.NVIDIA, Vendor.ASCEND], False, "/t has devices of nvidia, ascend: say which"),
+        ([Vendor.ASCEND, Vendor.HYGON], True, "/t has devices of ascend, hygon: say which"),
+    ],
+)
+def test_a_fault_without_vendor_names_what_the_tree_has(
+    present: list[Vendor], polled: bool, says: str
+) -> None:
+    with pytest.raises(ValueError, match="^" + re.escape(says)):
+        inject_cli_module.pick_vendor(Path("/t"), present, polled=polled)
+
+
+@pytest.mark.parametrize(
+    ("present", "polled", "vendor"),
+    [
+        ([Vendor.NVIDIA, Vendor.ASCEND], True, Vendor.ASCEND),
+        ([Vendor.NVIDIA], False, Vendor.NVIDIA),
+    ],
+)
+def test_the_one_vendor_a_fault_can_be_for_is_chosen(
+    present: list[Vendor], polled: bool, vendor: Vendor
+) -> None:
+    assert inject_cli_module.pick_vendor(Path("/t"), present, polled=polled) is vendor
+
+
+def test_health_on_a_gpu_only_tree_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = simulate("dgx-h100", tmp_path)
+    assert cli.main(["simulate", "inject", str(root), "--device", "0", "--health", "Critical"]) == 2
+    err = capsys.readouterr().err
+    assert "has nvidia GPUs only; --health is for ascend, hygon and kunlunxin devices" in err

@@ -209,7 +209,10 @@ POLICIES = "Always, OnFailure, OnNodeFail, OnNodeFailWithExitCode, ExitCode, Nev
         ({"restartTimeout": 0}, "spec.restartTimeout: must be at least 1, got 0"),
         ({"restartTimeLimit": -5}, "spec.restartTimeLimit: must be at least 0, got -5"),
         ({"restartPolicy": "Sometimes"}, f"spec.restartPolicy: expected one of {POLICIES}"),
-        ({"restartLimt": 3}, "spec.restartLimt: unknown key (known keys: backoff, "),
+        (
+            {"restartLimt": 3},
+            "spec.restartLimt: unknown key, did you mean spec.restartLimit? (known keys: backoff, ",
+        ),
         ({"jobLabel": None}, "spec.jobLabel: expected a string, got nothing"),
         ({"backoff": {"initialSeconds": 60, "maxSeconds": 30}}, "spec.backoff.maxSeconds: must"),
         ({"selector": {}}, "spec.selector: an empty selector would cover every pod"),

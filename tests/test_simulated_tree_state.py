@@ -27,7 +27,7 @@ def edl(*argv: str) -> subprocess.CompletedProcess[str]:
 
 
 def resolved(*argv: str) -> dict[str, object]:
-    done = edl("config", *argv)
+    done = edl("config", "--format", "json", *argv)
     assert done.returncode == 0, done.stderr
     settings: dict[str, object] = json.loads(done.stdout)
     return settings
@@ -63,7 +63,8 @@ def test_a_real_host_root_keeps_the_hosts_paths(tmp_path: Path) -> None:
 
 def test_relative_paths_are_made_absolute(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "edl_agent.cli", "config", "--set", "plugin.kubelet_dir=kubelet",
+        [sys.executable, "-m", "edl_agent.cli", "config", "--format", "json",
+         "--set", "plugin.kubelet_dir=kubelet",
          "--set", "faults.state_dir=state"],
         cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip

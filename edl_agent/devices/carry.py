@@ -62,7 +62,9 @@ def carry_forward(
     devices = [device for report in reports for device in report.devices]
     fresh_ids = {device.id for report in fresh.reports for device in report.devices}
     return Carried(
-        inventory=Inventory(fresh.node, tuple(reports), advertised_resources(devices, settings)),
+        inventory=Inventory(
+            fresh.node, tuple(reports), advertised_resources(devices, settings), fresh.host
+        ),
         failed=failed,
         gone=tuple(gone),
         returned=frozenset(carried & fresh_ids),

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 import structlog
 
 from edl_agent.devices import ascend, hygon, kunlunxin, nvidia
+from edl_agent.devices.host_facts import host_facts
 from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.model import Inventory, Vendor, VendorReport
 from edl_agent.devices.resources import advertised_resources
@@ -43,8 +44,12 @@ def discover_node(
     )
     devices = [device for report in reports for device in report.devices]
     node = node_name(settings, root, os.environ if environ is None else environ)
+    disabled = [vendor for vendor in BACKENDS if not _enabled(settings, vendor)]
     inventory = Inventory(
-        node=node, reports=reports, resources=advertised_resources(devices, settings)
+        node=node,
+        reports=reports,
+        resources=advertised_resources(devices, settings),
+        host=host_facts(root, disabled=disabled),
     )
     log.info(
         "discovered",

@@ -129,6 +129,29 @@ class Resource:
         return tuple(unit.id for unit in self.units)
 
 
+# PCI vendor ids of the accelerators we discover (sysfs `vendor`, NFD's `pci-<id>` labels).
+PCI_VENDORS: Mapping[Vendor, str] = {
+    Vendor.NVIDIA: "10de",
+    Vendor.ASCEND: "19e5",  # Huawei
+    Vendor.HYGON: "1d94",
+    Vendor.KUNLUNXIN: "1d22",
+}
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    """What discovery saw of the host besides devices: the clues to why it found none."""
+
+    host_root: str
+    missing: tuple[str, ...] = ()
+    """Of `/dev` and `/sys`, those missing under the host root (a root not mounted)."""
+    disabled: tuple[Vendor, ...] = ()
+    """Vendors turned off in the settings (`<vendor>.enabled: false`)."""
+    pci: Mapping[Vendor, int] = field(default_factory=dict)
+    """Accelerator-class PCI functions in sysfs by vendor (display, co-processor and
+    processing-accelerator classes, as Node Feature Discovery counts them)."""
+
+
 @dataclass(frozen=True)
 class Inventory:
     """Everything discovered on one node, and what would be advertised to kubelet."""
@@ -136,6 +159,8 @@ class Inventory:
     node: str
     reports: tuple[VendorReport, ...]
     resources: tuple[Resource, ...]
+    host: HostFacts | None = None
+    """The host's clues, when discovery looked (not for inventories made by hand)."""
 
     @property
     def devices(self) -> tuple[Device, ...]:

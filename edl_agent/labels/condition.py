@@ -10,6 +10,12 @@
 - `message` says how many devices are unhealthy and names each one — vendor, index and id — with
   its fault as the health monitor reported it (`XID79`), the detail and what it waits for (a
   reset, a reboot, an operator's release); at most 1024 characters.
+- no device at all is a finding, not health: status `Unknown`, reason `NoAcceleratorsFound`, and
+  a message on why it may be (the host root not mounted, an accelerator the PCI bus shows but
+  no driver or tool found, a vendor disabled in the settings, a vendor's discovery error, a
+  container runtime that gives no devices). Not `True`: nothing was checked; not `False`: a
+  node without accelerators is not a faulty one, and readers of `False` (`edl-agent hosts`)
+  take the node's accelerators for broken.
 - a vendor whose monitor fails (its tool broken) while no device is unhealthy makes the status
   `Unknown` (reason `<TOOL>Failed`): the devices stay advertised as they were, but nobody can say
   whether they are healthy. The message names the failing monitors in every status.
@@ -25,7 +31,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from edl_agent.devices.model import Device, Inventory, Vendor
+from edl_agent.devices.model import Device, HostFacts, Inventory, Vendor
 from edl_agent.health.model import ClearsBy, Level
 from edl_agent.health.tracker import Condition
 from edl_agent.kube_time import format_time
@@ -33,6 +39,7 @@ from edl_agent.labels.cordon import RELEASE_DEVICES
 
 CONDITION_TYPE = "AcceleratorHealthy"
 HEALTHY_REASON = "AcceleratorsHealthy"
+NO_DEVICES_REASON = "NoAcceleratorsFound"
 MAX_MESSAGE = 1024
 ACRONYMS = frozenset(
     {"GPU", "NPU", "XPU", "DCU", "XID", "ECC", "DBE", "SBE", "NVML", "PCI", "PCIE", "HBM", "AI"}
@@ -115,6 +122,8 @@ def accelerator_health(
         + (f" ({c.detail})" if c.detail else "")
         for vendor, c in failing
     )
+    if not faults and not inventory.devices:
+        return no_accelerators(inventory)
     if not faults:
         if failing:
             message = _cut(f"health of {physical} accelerators unknown" + note)
@@ -124,6 +133,45 @@ def accelerator_health(
     head = f"{len(faults)} of {max(physical, len(faults))} accelerators unhealthy: "
     message = _cut(head + "; ".join(f.describe() for f in faults) + note)
     return AcceleratorHealth(False, condition_reason(faults[0].reason), message, faults)
+
+
+def no_accelerators(inventory: Inventory) -> AcceleratorHealth:
+    """The condition of a node where discovery found no device, with the likely causes."""
+    facts = inventory.host or HostFacts(host_root="the host root")
+    root = facts.host_root
+    causes: list[str] = []
+    if facts.missing:
+        causes.append(
+            f"{' and '.join(facts.missing)} missing under {root}: is the host's / mounted there?"
+        )
+    causes += [f"{vendor} discovery failed: {error}" for vendor, error in inventory.errors.items()]
+    for vendor, count in facts.pci.items():
+        if vendor in facts.disabled:
+            causes.append(
+                f"PCI shows {count} {vendor.value} accelerators, but {vendor.value} is disabled "
+                f"in the settings ({vendor.value}.enabled)"
+            )
+        elif vendor.value not in inventory.errors:
+            causes.append(
+                f"PCI shows {count} {vendor.value} accelerators but none was discovered: is the "
+                f"driver loaded, its library or tool under {root}, and its /dev nodes given to "
+                "this container by the container runtime?"
+            )
+    causes += [
+        f"{r.vendor.value}'s driver library or tool answered with no device"
+        for r in inventory.reports
+        if r.error is None and r.vendor not in facts.pci
+    ]
+    if not causes:
+        off = [v.value for v in facts.disabled]
+        causes.append(
+            "no accelerator on the PCI bus and no driver library or vendor tool found"
+            + (f" ({', '.join(off)} disabled in the settings)" if off else "")
+            + ": a node without accelerators (the agent need not run here), or a host root "
+            "without /sys/bus/pci, or a container runtime that gives this container no devices"
+        )
+    message = _cut(f"no accelerators found under {root}; " + "; ".join(causes))
+    return AcceleratorHealth(True, NO_DEVICES_REASON, message, unknown=True)
 
 
 def device_name(device: Device | None, device_id: str) -> str:

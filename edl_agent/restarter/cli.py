@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import textwrap
 from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from pathlib import Path
@@ -17,6 +18,7 @@ from edl_agent.restarter.settings import (
     load_restarter_settings,
 )
 from edl_agent.settings_loader import (
+    PRECEDENCE,
     Layer,
     LogFormat,
     LogLevel,
@@ -40,15 +42,25 @@ POD_NAME and POD_NAMESPACE set (downward API), the leader labels its pod
 edl.io/restarter-leader=true, which the intake Service selects.
 """
 
-SETTINGS_EPILOG = """\
-settings: each flag sets one key of the restarter's settings (named in [brackets]). Every key can
-also come from --config FILE (YAML), from an EDL_RESTARTER_* environment variable
-(EDL_RESTARTER_STORM__MAX_SHARE=0.2, EDL_RESTARTER_REPLACEMENT__DROP_LABELS='[a, example.com/*]')
-or from --set KEY=VALUE (--set 'replacement.drop_labels=[a, example.com/*]'); flags win over
---set, --set over the environment, the environment over the file, and the file over
-POD_NAMESPACE/POD_NAME. `edl-agent restarter config` prints the effective settings, and
-`edl-agent restarter config --keys` lists every key with its default and meaning.
-"""
+SETTINGS_EPILOG = (
+    textwrap.fill(
+        "settings: each flag sets one key of the restarter's settings (named in [brackets]). "
+        "Every key can also come from --config FILE (YAML), from an EDL_RESTARTER_* environment "
+        "variable (EDL_RESTARTER_STORM__MAX_SHARE=0.2, "
+        "EDL_RESTARTER_REPLACEMENT__DROP_LABELS='[a, example.com/*]') or from --set KEY=VALUE "
+        "(--set 'replacement.drop_labels=[a, example.com/*]'); "
+        f"{PRECEDENCE}, and the file over POD_NAMESPACE/POD_NAME. `edl-agent restarter config` "
+        "prints the effective settings, and `edl-agent restarter config --keys` lists every key "
+        "with its default and meaning.",
+        width=96,
+        break_on_hyphens=False,
+        break_long_words=False,
+    )
+    + "\n"
+)
+USAGE = """\
+edl-agent restarter [FLAGS]                 run the restarter
+       edl-agent restarter config [--keys] [FLAGS]   print its settings instead"""
 
 CONFIG_DESCRIPTION = """\
 Print the restarter's settings, as JSON, after merging its defaults, POD_NAMESPACE/POD_NAME, the
@@ -93,7 +105,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.set_defaults(handler=run)
     # Optional: `edl-agent restarter [flags]` runs the restarter.
-    sub = parser.add_subparsers(dest="restarter_command", metavar="[config]")
+    sub = parser.add_subparsers(dest="restarter_command", metavar="config")
     config = sub.add_parser(
         "config",
         help="print the effective settings instead of running (`config --keys`: every key)",
@@ -102,6 +114,9 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     config.add_argument("--keys", action="store_true", help="list every key, default and meaning")
     config.set_defaults(handler=print_config)
+    # Set once `config`'s own name is made from the parent's: argparse would print the optional
+    # subcommand as a positional (`[config] ...`) among the flags.
+    parser.usage = USAGE
 
 
 def _flags() -> argparse.ArgumentParser:

@@ -151,10 +151,23 @@ def _only_vendor(root: Path, *, polled: bool = False) -> Vendor:
     ]
     if any(host.exists(tool) for tool in hygon_tree.TOOLS):
         present.append(Vendor.HYGON)
-    if polled:
-        present = [v for v in present if v is not Vendor.NVIDIA]
-    if len(present) != 1:
-        found = ", ".join(v.value for v in present) or "none"
-        msg = f"{root}: say which vendor with --vendor (vendors found: {found})"
-        raise ValueError(msg)
-    return present[0]
+    return pick_vendor(root, present, polled=polled)
+
+
+def pick_vendor(root: Path, present: list[Vendor], *, polled: bool) -> Vendor:
+    """The one vendor a fault without --vendor is for, or ValueError naming what the tree has.
+    `polled`: the fault is a health code, which only the tool-polled vendors (not NVIDIA) take."""
+    candidates = [v for v in present if not (polled and v is Vendor.NVIDIA)]
+    if len(candidates) == 1:
+        return candidates[0]
+    if not present:
+        msg = f"{root}: no simulated devices found (build a node with `edl-agent simulate build`)"
+    elif not candidates:
+        msg = (
+            f"{root} has nvidia GPUs only; --health is for ascend, hygon and kunlunxin devices "
+            "(for a GPU: --xid, --ecc-dbe or --lost)"
+        )
+    else:
+        found = ", ".join(v.value for v in candidates)
+        msg = f"{root} has devices of {found}: say which with --vendor"
+    raise ValueError(msg)

@@ -24,9 +24,11 @@ workloads are deleted afterwards.
 
 from __future__ import annotations
 
+import json
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -56,6 +58,7 @@ from manifests import (
 
 from edl_agent import cli, log
 from edl_agent.config import Settings
+from edl_agent.devices.model import PCI_VENDORS
 from edl_agent.restarter import cli as restarter_cli
 
 ALL_ON = CHART / "ci" / "all-on-values.yaml"
@@ -134,6 +137,56 @@ def test_every_object_is_the_kustomizations_but_for_helms_labels() -> None:
     assert chart.keys() == kustomize.keys()
     for name in sorted(kustomize, key=str):
         assert as_kustomized(chart[name]) == cel_spaced(kustomize[name]), name
+
+
+def node_terms(pod: dict[str, Any]) -> list[str]:
+    """The label keys of the pod's required node-affinity terms (each `KEY In [true]`)."""
+    required = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    keys = []
+    for term in required["nodeSelectorTerms"]:
+        (expression,) = term["matchExpressions"]
+        assert (expression["operator"], expression["values"]) == ("In", ["true"])
+        keys.append(expression["key"])
+    return keys
+
+
+def test_the_agent_runs_only_where_a_label_says_accelerators_are() -> None:
+    kustomize = node_terms(pod_spec(kustomized(DEPLOY), "DaemonSet", "edl-agent"))
+    chart = node_terms(pod_spec(rendered(), "DaemonSet", "edl-agent"))
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+
+    assert chart == kustomize == values["agent"]["acceleratorNodeLabels"]
+    assert {"nvidia.com/gpu.present", "edl.io/accelerator.present"} <= set(chart)
+    nfd = "feature.node.kubernetes.io/pci-"
+    for vendor, pci_id in PCI_VENDORS.items():
+        assert any(k.startswith(nfd) and pci_id in k for k in chart), vendor
+    # Huawei's BMC graphics and network cards share Ascend's id: its processing accelerators only.
+    assert [k for k in chart if "19e5" in k] == [f"{nfd}1200_19e5.present"]
+
+
+def test_the_accelerator_node_labels_can_be_changed_or_turned_off() -> None:
+    def agent_pod(*args: str) -> dict[str, Any]:
+        return pod_spec(rendered(*args), "DaemonSet", "edl-agent")
+
+    assert "affinity" not in agent_pod("--set-json", "agent.acceleratorNodeLabels=[]")
+    assert node_terms(agent_pod("--set-json", 'agent.acceleratorNodeLabels=["pool/gpu"]')) == [
+        "pool/gpu"
+    ]
+    # Other affinities are kept beside it; a nodeAffinity of one's own replaces it.
+    anti = {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": []}}
+    both = agent_pod("--set-json", f"agent.affinity={json.dumps(anti)}")
+    assert both["affinity"]["podAntiAffinity"] == anti["podAntiAffinity"]
+    assert len(node_terms(both)) > 1
+    own = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "mine", "operator": "In", "values": ["true"]}]}
+                ]
+            }
+        }
+    }
+    assert agent_pod("--set-json", f"agent.affinity={json.dumps(own)}")["affinity"] == own
 
 
 def test_the_rbac_rules_are_the_kustomizations() -> None:
