@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from edl_agent.runtime.deadline import StopDeadline
 
 EXIT_USAGE = 2
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a tool whose reader went away
 EXIT_UNAVAILABLE = 1
 KUBELET_DIR = "/var/lib/kubelet/device-plugins"
 POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
@@ -83,6 +84,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_UNAVAILABLE
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader has gone (`edl-agent config --keys | head`): end as a tool killed by
+        # SIGPIPE does, without the traceback Python would print flushing stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 def error_line(message: str) -> str:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -203,3 +205,18 @@ def test_nothing_close_is_not_guessed(capsys: pytest.CaptureFixture[str]) -> Non
     assert "did you mean" not in capsys.readouterr().err
     assert main(["config", "--set", "colour=red"]) == 2
     assert "did you mean" not in capsys.readouterr().err
+
+
+def test_a_reader_that_goes_away_ends_the_output_without_a_traceback() -> None:
+    """`edl-agent config --keys | head`, with a reader gone before the first write (`true`
+    exits while Python still starts): the exit status of a tool killed by SIGPIPE, nothing on
+    stderr."""
+    edl_agent = Path(sys.executable).with_name("edl-agent")
+    done = subprocess.run(
+        ["bash", "-c", f'"{edl_agent}" config --keys | true; echo "status ${{PIPESTATUS[0]}}"'],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    assert (done.stdout, done.stderr) == ("status 141\n", "")
