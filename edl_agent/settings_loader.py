@@ -130,7 +130,9 @@ def env_layer(
 
 
 # EDL_ variables that are not settings (caches and test switches read elsewhere).
-NON_SETTING_ENV = frozenset({"EDL_CACHE_DIR", "EDL_K8S_BIN_DIR"})
+NON_SETTING_ENV = frozenset(
+    {"EDL_CACHE_DIR", "EDL_K8S_BIN_DIR", "EDL_HOROVOD_VENV", "EDL_PEERS_DIR", "EDL_CHAOS_SEED"}
+)
 
 
 def assignment(text: str, root: type[Any]) -> tuple[list[str], Any]:

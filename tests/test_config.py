@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
 from edl_agent.config import Settings, load_settings
-from edl_agent.settings_loader import ConfigError, describe_settings, env_layer, set_path
+from edl_agent.settings_loader import (
+    NON_SETTING_ENV,
+    ConfigError,
+    describe_settings,
+    env_layer,
+    set_path,
+)
 from edl_agent.settings_loader import assignment as _assignment
 
 
@@ -246,3 +253,22 @@ def test_timeouts_are_settings() -> None:
     )
     with pytest.raises(ConfigError, match=r"health\.tool_timeout_seconds: must be positive"):
         load_settings(overrides={"health": {"tool_timeout_seconds": 0}})
+
+
+def test_every_edl_variable_our_scripts_read_is_a_setting_or_known_not_to_be_one() -> None:
+    """The agent refuses an `EDL_*` variable it does not know: one that a test or a script reads
+    for itself (a cache directory, a seed) must be on the list the agent passes over, or setting
+    it for the tests stops every agent they start."""
+    repo = Path(__file__).resolve().parents[1]
+    read = re.compile(r"""environ(?:\.get\(|\[)["'](EDL_[A-Z0-9_]+)["']""")
+    names = {
+        name
+        for folder in ("tests", "scripts", "bench", "edl_agent")
+        for path in (repo / folder).rglob("*")
+        if path.is_file() and (path.suffix == ".py" or path.parent.name == "scripts")
+        for name in read.findall(path.read_text(errors="replace"))
+    }
+    assert "EDL_K8S_BIN_DIR" in names  # the scan finds what it is for
+    in_containers = {"EDL_CLAIM_UID"}  # given to containers and read in a test's pod
+    for name in sorted(names - NON_SETTING_ENV - in_containers):
+        load_settings(environ={name: "/x"})  # a setting: read, not refused
