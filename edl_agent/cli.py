@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 import textwrap
@@ -444,7 +445,8 @@ def _run(args: argparse.Namespace) -> int:
         from edl_agent.agent import Agent
 
         agent = Agent(settings)
-        deadline = held.enter_context(_stop_deadline())
+        scratch = settings.host_root if args.simulate is not None else None
+        deadline = held.enter_context(_stop_deadline(scratch))
 
         def stop() -> None:
             agent.stop.set()
@@ -466,15 +468,19 @@ def _run(args: argparse.Namespace) -> int:
 
 
 @contextlib.contextmanager
-def _stop_deadline() -> Iterator[StopDeadline]:
+def _stop_deadline(scratch: str | None = None) -> Iterator[StopDeadline]:
     """Once a signal asks the agent to stop, it ends within STOP_DEADLINE_SECONDS: a wait that
-    cannot be cut short (an API server that stopped answering) does not hold it past that."""
+    cannot be cut short (an API server that stopped answering) does not hold it past that.
+    `scratch` (the temporary tree of `--simulate`) is removed first: the forced exit skips the
+    clean-up that would have removed it."""
     from edl_agent.runtime.deadline import StopDeadline
 
     def expired(running: list[str]) -> None:
         structlog.get_logger().warning(
             "stopping took too long: exiting now", seconds=deadline.seconds, running=running
         )
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
 
     deadline = StopDeadline(on_expiry=expired)
     try:

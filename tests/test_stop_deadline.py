@@ -5,6 +5,7 @@ is ended at the deadline."""
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
@@ -87,6 +88,11 @@ def test_sigterm_ends_the_agent_within_the_deadline_while_its_api_calls_hang(
             agent.communicate()
     assert agent.returncode == 0
     assert took < STOP_DEADLINE_SECONDS + MARGIN_SECONDS, (took, err[-2000:])
+    # The forced exit skips the clean-up of --simulate's temporary tree: it is removed first.
+    logged = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+    [tree] = [e["root"] for e in logged if e.get("event") == "building simulated node"]
+    assert any(e.get("event") == "stopping took too long: exiting now" for e in logged)
+    assert not Path(tree).exists()
 
 
 def test_a_stop_that_hangs_for_good_ends_at_the_deadline() -> None:
