@@ -461,18 +461,14 @@ def test_exit_code_and_xid79_replace_workers_on_real_kubelets(  # noqa: PLR0917 
         kubeconfig = write_kubeconfig(
             directory / "kubeconfig", k8s_control_plane, api_token, AGENT_SA
         )
-        (directory / "intake-token").write_text(intake_token)
-        agent = node_agent(
+        agents[name] = reporting_agent(
             node,
-            PROFILE,
             directory,
-            f"--restarter-address=127.0.0.1:{intake_port}",
-            f"--set=node.kubeconfig={kubeconfig}",
-            f"--set=faults.token_file={directory / 'intake-token'}",
+            kubeconfig=kubeconfig,
+            intake_token=intake_token,
+            intake_port=intake_port,
+            processes=processes,
         )
-        assert agent.process is not None
-        processes.append(agent.process)
-        agents[name] = agent
     for name, agent in agents.items():
         wait_for(
             f"{name}: 8 GPUs allocatable, the agent's labels and condition True",
@@ -550,6 +546,31 @@ def test_exit_code_and_xid79_replace_workers_on_real_kubelets(  # noqa: PLR0917 
     for agent in agents.values():
         outbox = agent.directory / "state" / "outbox"
         assert sorted(p.name for p in outbox.glob("*.json")) == [], "a fault was not acknowledged"
+
+
+def reporting_agent(
+    node: testnode.Node,
+    directory: Path,
+    *,
+    kubeconfig: Path,
+    intake_token: str,
+    intake_port: int,
+    processes: list[Process],
+) -> NodeAgent:
+    """`edl-agent run` (simulated dgx-h100) on `node`, reporting to the restarter's intake with
+    `intake_token`; added to `processes`."""
+    (directory / "intake-token").write_text(intake_token)
+    agent = node_agent(
+        node,
+        PROFILE,
+        directory,
+        f"--restarter-address=127.0.0.1:{intake_port}",
+        f"--set=node.kubeconfig={kubeconfig}",
+        f"--set=faults.token_file={directory / 'intake-token'}",
+    )
+    assert agent.process is not None
+    processes.append(agent.process)
+    return agent
 
 
 def start_restarter(

@@ -40,7 +40,7 @@ import pytest
 import testcluster
 import testnode
 from k8s_test_helpers import GPU_RESOURCE, KwokCluster, bound_tokens, wait_for
-from kubelet_helpers import NodeAgent, node_agent, pod_devices
+from kubelet_helpers import NodeAgent, pod_devices
 from kubernetes import client
 from scheduler import Process, ProcessError, free_port, spawn, start_scheduler
 from test_e2e import (  # fixtures too: pytest finds them among the module's names
@@ -52,6 +52,7 @@ from test_e2e import (  # fixtures too: pytest finds them among the module's nam
     _summary,
     policy_body,
     processes,
+    reporting_agent,
     spawn_restarter,
     worker_labels,
 )
@@ -68,7 +69,6 @@ pytestmark = pytest.mark.kubelet
 REPO = Path(__file__).resolve().parents[2]
 TRAIN_PY = REPO / "tests" / "training" / "train.py"
 WORLD = 3
-PROFILE = "dgx-h100"
 XID = 95
 MERGE = "application/merge-patch+json"
 STARTUP = 180.0
@@ -282,18 +282,14 @@ def start_restarter_and_agents(
         )
         directory = tmp_path / f"agent-{name}"
         directory.mkdir()
-        (directory / "intake-token").write_text(intake_token)
-        agent = node_agent(
+        agents[name] = reporting_agent(
             node,
-            PROFILE,
             directory,
-            f"--restarter-address=127.0.0.1:{intake_port}",
-            f"--set=node.kubeconfig={plane.kubeconfig}",
-            f"--set=faults.token_file={directory / 'intake-token'}",
+            kubeconfig=plane.kubeconfig,
+            intake_token=intake_token,
+            intake_port=intake_port,
+            processes=processes,
         )
-        assert agent.process is not None
-        processes.append(agent.process)
-        agents[name] = agent
     for name in nodes:
         wait_for(
             f"{name}: GPUs allocatable",
