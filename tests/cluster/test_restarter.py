@@ -37,7 +37,12 @@ MakePolicy = Callable[..., dict[str, Any]]
 
 @pytest.fixture(scope="module")
 def crd(k8s_api_client: client.ApiClient) -> Any:
-    extensions = client.ApiextensionsV1Api(k8s_api_client)
+    return install_policy_crd(k8s_api_client)
+
+
+def install_policy_crd(api: client.ApiClient) -> Any:
+    """Apply the FaultTolerancePolicy CRD on `api`'s server; the CRD once Established."""
+    extensions = client.ApiextensionsV1Api(api)
     name = CRD["metadata"]["name"]
     extensions.patch_custom_resource_definition(
         name,

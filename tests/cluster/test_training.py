@@ -56,7 +56,7 @@ from test_e2e import (  # fixtures too: pytest finds them among the module's nam
     spawn_restarter,
     worker_labels,
 )
-from test_restarter import CRD, GROUP, PLURAL, VERSION
+from test_restarter import GROUP, PLURAL, VERSION, install_policy_crd
 
 from edl_agent.restarter.replacement import REPLACES_ANNOTATION
 from edl_agent.sim import inject
@@ -156,22 +156,7 @@ def managed_scheduler(
 
 @pytest.fixture
 def policy_crd(k8s_managed: KwokCluster) -> None:
-    extensions = client.ApiextensionsV1Api(k8s_managed.api)
-    extensions.patch_custom_resource_definition(
-        CRD["metadata"]["name"],
-        CRD,
-        field_manager="edl-tests",
-        force=True,
-        _content_type="application/apply-patch+yaml",
-    )
-    wait_for(
-        "the policy CRD Established",
-        lambda: extensions.read_custom_resource_definition(CRD["metadata"]["name"]),
-        lambda crd: any(
-            c.type == "Established" and c.status == "True" for c in crd.status.conditions or []
-        ),
-        timeout=30,
-    )
+    install_policy_crd(k8s_managed.api)
 
 
 # --- the job ------------------------------------------------------------------------------------
