@@ -14,6 +14,10 @@ Both run as processes on a simulated dgx-h100 (8 GPUs), load the same fake libnv
 - XID 79 on each GPU in turn (a line in the fake library's fault file, delivered as an NVML
   event) until ListAndWatch shows that GPU Unhealthy. Each GPU once per round: NVIDIA's plugin
   never marks a device Healthy again, and XID 79 keeps ours Unhealthy until re-discovery.
+  An XID that leaves the GPU Healthy for 5 s counts as missed and is injected again (the
+  latency is taken from the second one). NVIDIA's plugin starts its health watch only after
+  it registers, so an XID in the first milliseconds after a (re-)registration is lost to it;
+  on the real driver that event would be lost the same way.
 
 Then, on a simulated dgx-a100-mig (MIG, mixed strategy: nvidia.com/gpu and four
 nvidia.com/mig-<profile> resources), the registration time of all resources, and a check that
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import random
 import shutil
 import statistics
@@ -63,6 +68,8 @@ RESOURCE = "nvidia.com/gpu"
 PROFILE = "dgx-h100"
 MIG_PROFILE = "dgx-a100-mig"
 XID = 79
+XID_WAIT_S = 5.0
+XID_ATTEMPTS = 2
 WARMUP_CALLS = 200
 GPUS_PER_REQUEST = 2
 
@@ -80,6 +87,7 @@ class Samples:
     reregister_s: list[float] = field(default_factory=list)
     mig_registration_s: list[float] = field(default_factory=list)
     mig_devices: dict[str, int] = field(default_factory=dict)
+    xid_missed: int = 0  # XIDs that never turned the GPU Unhealthy (injected again)
 
 
 class RunFailed(Exception):
@@ -228,14 +236,26 @@ def run_one(
         try:
             watch.next(timeout=10)
             for gpu, uuid in enumerate(node.uuids):
-                begun = time.perf_counter()
-                inject.inject_xid(node.tree, gpu, XID)
-                try:
-                    watch.until(lambda u, want=uuid: _health(u, want) == "Unhealthy", timeout=10)
-                except Exception:
-                    why = f"GPU {gpu} not Unhealthy in ListAndWatch 10 s after XID {XID}"
-                    raise RunFailed(_failure(name, process, logfile, why)) from None
-                samples.xid_s.append(time.perf_counter() - begun)
+                for attempt in range(XID_ATTEMPTS):
+                    begun = time.perf_counter()
+                    inject.inject_xid(node.tree, gpu, XID)
+                    try:
+                        watch.until(
+                            lambda u, want=uuid: _health(u, want) == "Unhealthy",
+                            timeout=XID_WAIT_S,
+                        )
+                    except queue.Empty:
+                        if attempt + 1 < XID_ATTEMPTS:
+                            samples.xid_missed += 1
+                            log(f"{name}: GPU {gpu} missed XID {XID}; injecting it again")
+                            continue
+                        why = (
+                            f"GPU {gpu} not Unhealthy in ListAndWatch {XID_WAIT_S:g} s after "
+                            f"each of {XID_ATTEMPTS} XID {XID}"
+                        )
+                        raise RunFailed(_failure(name, process, logfile, why)) from None
+                    samples.xid_s.append(time.perf_counter() - begun)
+                    break
         finally:
             watch.cancel()
         if process.poll() is not None:
@@ -329,6 +349,8 @@ def report(ours: Samples, theirs: Samples) -> None:
         log(f"MIG node: the plugins differ: ours {ours.mig_devices}, theirs {theirs.mig_devices}")
     print(f"nvidia_peer_allocate_calls {len(ours.allocate_s)} calls")
     print(f"nvidia_peer_xid_samples {len(ours.xid_s)} samples")
+    print(f"nvidia_peer_xid_missed_ours {ours.xid_missed} events")
+    print(f"nvidia_peer_xid_missed_theirs {theirs.xid_missed} events")
     print(f"nvidia_peer_reregister_samples {len(ours.reregister_s)} samples")
 
 
