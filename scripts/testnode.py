@@ -350,6 +350,13 @@ class Node:
             time.sleep(0.02)
         return time.monotonic() - began
 
+    def cut_off(self) -> list[int]:
+        """Stop kubelet alone, which is how a network partition looks from the control plane:
+        the Node's Lease and status stop being renewed while the runtime and its containers
+        keep running (kubelet stops pods only when asked, never when it exits)."""
+        state = _read_state(self.paths)
+        return _stop_processes(self.paths, state, only=("kubelet",), procs=self._procs)
+
     def exit_container(
         self, namespace: str, pod: str, container: str, code: int
     ) -> dict[str, object]:

@@ -597,9 +597,14 @@ def start_restarter(
 
 
 def spawn_restarter(
-    k8s: KwokCluster, kubeconfig: Path, tmp_path: Path, processes: list[Process]
+    k8s: KwokCluster,
+    kubeconfig: Path,
+    tmp_path: Path,
+    processes: list[Process],
+    *extra: str,
 ) -> tuple[Process, int]:
-    """`edl-agent restarter` with `kubeconfig`, once it leads and is ready; its intake port."""
+    """`edl-agent restarter` with `kubeconfig` (and `extra` arguments), once it leads and is
+    ready; its intake port."""
     ns = k8s.namespace
     intake_port, metrics_port = free_port(), free_port()
     argv = [
@@ -614,6 +619,7 @@ def spawn_restarter(
         f"--lease-name={LEASE}",
         f"--metrics-addr=127.0.0.1:{metrics_port}",
         "--log-format=json",
+        *extra,
     ]
     restarter = spawn("restarter", argv, tmp_path / "restarter")
     processes.append(restarter)

@@ -254,12 +254,15 @@ def start_restarter_and_agents(
     nodes: dict[str, testnode.Node],
     tmp_path: Path,
     processes: list[Process],
+    *restarter_args: str,
 ) -> tuple[Process, dict[str, NodeAgent]]:
-    """The restarter (admin credentials: its RBAC is proven in test_e2e.py) and an agent on each
-    node reporting to it with a token bound to a pod on its node; returns once every node has
-    its 8 GPUs allocatable."""
+    """The restarter (admin credentials: its RBAC is proven in test_e2e.py; `restarter_args`
+    added to its command) and an agent on each node reporting to it with a token bound to a pod
+    on its node; returns once every node has its 8 GPUs allocatable."""
     k8s.create_service_account(AGENT_SA)
-    restarter, intake_port = spawn_restarter(k8s, plane.kubeconfig, tmp_path, processes)
+    restarter, intake_port = spawn_restarter(
+        k8s, plane.kubeconfig, tmp_path, processes, *restarter_args
+    )
     agents = {}
     for name, node in nodes.items():
         [intake_token] = bound_tokens(
