@@ -387,7 +387,7 @@ def node_settings(args: argparse.Namespace) -> Iterator[Settings]:
         if is_recording(recording):
             sim_commands_module.replay_tree(recording, Path(tmp))
         else:
-            sim_commands_module.build_tree(name, Path(tmp))
+            sim_commands_module.build_tree(name, Path(tmp), args.node_name)
         yield settings
 
 

@@ -102,6 +102,29 @@ def test_build_then_discover_host_root(tmp_path: Path, capsys: pytest.CaptureFix
     assert Counter(d["numa_node"] for d in inventory["devices"]) == {0: 4, 1: 4}
 
 
+@pytest.mark.parametrize("profile", ["dgx-a100-mig", "dgx-h100"])
+def test_nodes_built_with_their_names_share_no_gpu_uuid(
+    profile: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A simulated fleet: each node's GPUs and MIG devices have uuids of their own; the same
+    name builds the same uuids again, and no name gives the profile's. (XPUs and DCUs are named
+    by PCI address, which nodes of one model share on real hardware too.)"""
+
+    def ids(*build: str) -> set[str]:
+        tree = tmp_path / f"node-{len(list(tmp_path.iterdir()))}"
+        assert main(["simulate", "build", profile, str(tree), *build]) == 0
+        capsys.readouterr()
+        return {str(d["id"]) for d in discover_json(capsys, "--host-root", str(tree))["devices"]}
+
+    a, b = ids("--node-name", "node-a"), ids("--node-name", "node-b")
+    plain = ids()
+    assert len(a) == len(b) == len(plain) > 0
+    assert not a & b, "two nodes of one profile must not share a device id"
+    assert not (a | b) & plain
+    assert ids("--node-name", "node-a") == a
+    assert ids() == plain
+
+
 def test_table_output(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["discover", "--simulate", "mixed-gpu-npu", "--log-level", "error"]) == 0
     out = capsys.readouterr().out

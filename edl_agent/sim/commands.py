@@ -35,6 +35,12 @@ def add_parsers(
     )
     sim_build.add_argument("profile", metavar="PROFILE", help="a name from `simulate list`")
     sim_build.add_argument("directory", metavar="DIR", type=Path, help="where to write the tree")
+    sim_build.add_argument(
+        "--node-name",
+        metavar="NAME",
+        help="the node's hostname, and device uuids and serials of its own (default: the "
+        "profile's, the same on every build); give each node of a simulated fleet its name",
+    )
     sim_build.set_defaults(handler=_build)
     sim_record = sim_commands.add_parser(
         "record",
@@ -73,16 +79,17 @@ def simulated_profile(root: Path) -> str | None:
         return None
 
 
-def build_tree(name: str, directory: Path) -> None:
+def build_tree(name: str, directory: Path, node_name: str | None = None) -> None:
     """The tree of profile `name` in `directory`, marked as simulated (`SIMULATED_MARKER`, so
     that `run --host-root` keeps its state inside it); UsageError (one line) when it cannot
-    be."""
+    be. `node_name`: the node's hostname, and device ids of its own."""
     from edl_agent.sim.fake_nvml_build import FakeNvmlBuildError
     from edl_agent.sim.profile import load_profile
     from edl_agent.sim.tree import build_tree as write_tree
 
     try:
-        write_tree(load_profile(name), directory)
+        profile = load_profile(name)
+        write_tree(profile if node_name is None else profile.on_node(node_name), directory)
         (directory / SIMULATED_MARKER).write_text(name + "\n")
     except FakeNvmlBuildError as exc:
         raise UsageError(str(exc)) from None
@@ -127,7 +134,7 @@ def _build(args: argparse.Namespace) -> int:
 
     load_profile(args.profile)  # unknown or malformed profiles fail before anything is written
     require_empty(directory)
-    build_tree(args.profile, directory)
+    build_tree(args.profile, directory, args.node_name)
     print(f"simulated node {args.profile} written to {directory}")
     print(f"read it with: edl-agent discover --host-root {directory}")
     return 0

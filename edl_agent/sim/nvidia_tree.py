@@ -127,23 +127,23 @@ def simulated_gpus(spec: NvidiaSpec, profile: Profile) -> list[SimGpu]:
     return [
         SimGpu(
             index=index,
-            uuid="GPU-" + stable_uuid(profile.name, "gpu", index),
+            uuid="GPU-" + stable_uuid(profile.id_seed, "gpu", index),
             spec=group,
             bus_id=pci_bus_id(VENDOR_SLOT["nvidia"], index),
             numa_node=numa_node_of(index, len(specs), profile.node.numa_nodes),
-            serial=_serial(profile.name, index),
-            migs=_migs(profile.name, index, group),
+            serial=_serial(profile.id_seed, index),
+            migs=_migs(profile.id_seed, index, group),
         )
         for index, group in enumerate(specs)
     ]
 
 
-def _serial(profile_name: str, index: int) -> str:
-    digest = hashlib.sha256(f"{profile_name}/serial/{index}".encode()).hexdigest()
+def _serial(seed: str, index: int) -> str:
+    digest = hashlib.sha256(f"{seed}/serial/{index}".encode()).hexdigest()
     return "165" + str(int(digest, 16) % 10**10).zfill(10)
 
 
-def _migs(profile_name: str, gpu_index: int, group: GpuSpec) -> tuple[SimMig, ...]:
+def _migs(seed: str, gpu_index: int, group: GpuSpec) -> tuple[SimMig, ...]:
     profiles = [mig for mig in group.mig for _ in range(mig.count)]
     if len(profiles) > MAX_MIG_DEVICES:
         msg = f"GPU {gpu_index}: {len(profiles)} MIG devices, a GPU holds at most {MAX_MIG_DEVICES}"
@@ -151,7 +151,7 @@ def _migs(profile_name: str, gpu_index: int, group: GpuSpec) -> tuple[SimMig, ..
     return tuple(
         SimMig(
             index=index,
-            uuid="MIG-" + stable_uuid(profile_name, "mig", gpu_index, index),
+            uuid="MIG-" + stable_uuid(seed, "mig", gpu_index, index),
             name=f"{group.name} MIG {mig.profile}",
             memory_mib=mig.memory_mib,
             gpu_instance=index + 1,  # distinct ids; real placement rules are not simulated

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from typing import Any, Literal
 
@@ -31,6 +31,9 @@ class NodeSpec:
     hostname: str
     machine: str = "Simulated Server"
     numa_nodes: int = 1
+    # Mixed into the simulated devices' ids (uuids, serials) so that nodes built from one
+    # profile differ; empty: the profile's own ids, the same on every build.
+    id_scope: str = ""
 
     def check(self) -> None:
         if self.numa_nodes < 1:
@@ -159,6 +162,18 @@ class Profile:
     # the config file, environment and flags.
     config: dict[str, Any] = field(default_factory=dict)
     name: str = ""
+
+    @property
+    def id_seed(self) -> str:
+        """What the simulated devices' ids derive from: the profile's name, and the node's
+        `id_scope` when it has one."""
+        return f"{self.name}@{self.node.id_scope}" if self.node.id_scope else self.name
+
+    def on_node(self, name: str) -> Profile:
+        """This profile as the node `name`: that hostname, and device ids of its own (two nodes
+        of one profile then share no GPU uuid)."""
+        node = replace(self.node, hostname=name, id_scope=name)
+        return replace(self, node=node)
 
 
 def profile_names() -> list[str]:

@@ -140,10 +140,11 @@ def spawn_discover(tree: Path, config: Path) -> dict[str, Any]:
 def node_agent(
     node: testnode.Node, profile: str, directory: Path, *extra: str, start: bool = True
 ) -> NodeAgent:
-    """An agent for `node` on a fresh simulated `profile` tree under `directory`."""
+    """An agent for `node` on a fresh simulated `profile` tree under `directory`, whose devices
+    have ids of that node's own."""
     directory.mkdir(parents=True, exist_ok=True)
     tree = directory / "tree"
-    build_tree(load_profile(profile), tree)
+    build_tree(load_profile(profile).on_node(node.name), tree)
     agent = NodeAgent(node, profile, tree, directory, free_port(), extra=tuple(extra))
     if start:
         agent.start()
