@@ -264,6 +264,8 @@ class Agent:
             reasons=lambda: {d: c.reason for d, c in self.hub.unhealthy().items()},
             pods=self.pods,
             supervisor=self.supervisor,
+            hub=self.hub,
+            wake=self.stop.waker(),
         )
 
     def start_faults(self, api: NodeApi | None) -> None:

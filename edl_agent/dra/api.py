@@ -8,7 +8,7 @@ ResourceSlices are cluster-scoped; the agent lists only its node's (field select
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 from urllib.parse import quote
 
@@ -17,6 +17,7 @@ from edl_agent.kube import NOT_FOUND, ApiError
 GROUP_VERSION = "resource.k8s.io/v1"
 SLICES = f"/apis/{GROUP_VERSION}/resourceslices"
 LIST_PAGE = 250
+APPLY = "application/apply-patch+yaml"  # a JSON body is YAML too
 
 
 class JsonClient(Protocol):
@@ -51,6 +52,19 @@ class DraApi(Protocol):
         ...
 
     def read_resource_claim(self, namespace: str, name: str) -> dict[str, Any]: ...
+
+    def apply_claim_device_status(
+        self,
+        namespace: str,
+        name: str,
+        uid: str,
+        entries: Sequence[Mapping[str, Any]],
+        *,
+        manager: str,
+    ) -> dict[str, Any]:
+        """Server-side apply of `status.devices` as field manager `manager` (forced: the
+        entries are the driver's own), for the claim of that uid only (409 otherwise)."""
+        ...
 
 
 class KubeDraApi:
@@ -93,11 +107,34 @@ class KubeDraApi:
         return True
 
     def read_resource_claim(self, namespace: str, name: str) -> dict[str, Any]:
-        path = (
-            f"/apis/{GROUP_VERSION}/namespaces/{_segment(namespace)}"
-            f"/resourceclaims/{_segment(name)}"
+        return self._client.request("GET", _claim_path(namespace, name))
+
+    def apply_claim_device_status(
+        self,
+        namespace: str,
+        name: str,
+        uid: str,
+        entries: Sequence[Mapping[str, Any]],
+        *,
+        manager: str,
+    ) -> dict[str, Any]:
+        body = {
+            "apiVersion": GROUP_VERSION,
+            "kind": "ResourceClaim",
+            "metadata": {"namespace": namespace, "name": name, "uid": uid},
+            "status": {"devices": [dict(entry) for entry in entries]},
+        }
+        return self._client.request(
+            "PATCH",
+            f"{_claim_path(namespace, name)}/status",
+            body,
+            query={"fieldManager": manager, "force": "true"},
+            content_type=APPLY,
         )
-        return self._client.request("GET", path)
+
+
+def _claim_path(namespace: str, name: str) -> str:
+    return f"/apis/{GROUP_VERSION}/namespaces/{_segment(namespace)}/resourceclaims/{_segment(name)}"
 
 
 def _segment(name: str) -> str:

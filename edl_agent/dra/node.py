@@ -174,6 +174,8 @@ class DraNode:
         self._device_plugin_holds: frozenset[str] = frozenset()
         self._holds_read = -BOTH_WAYS_SECONDS
         self.publish_failures = 0
+        # Told after every prepare and unprepare (the claims' device status is written then).
+        self.claims_changed: Callable[[], None] = lambda: None
         self._log = structlog.get_logger().bind(part="dra", node=self.node)
 
     # --- the part --------------------------------------------------------------------------
@@ -248,9 +250,16 @@ class DraNode:
             server.start()
             self.servers[driver] = server
 
+    def driver_health(self, driver: str) -> DeviceHealthMap:
+        """The driver's devices by name → (healthy, why not), as its plugin streams them."""
+        vendor = names.vendor_of_driver(driver)
+        if vendor is None:
+            return {}
+        return _VendorHealth(self._state, vendor, self._reasons).snapshot()[1]
+
     def _preparer(self, vendor: Vendor) -> Preparer:
         return _NodePreparer(
-            self._withhold_prepared,
+            self._after_claims,
             driver=names.driver_name(vendor),
             pool=self.node,
             read_claim=self._read_claim,
@@ -294,6 +303,10 @@ class DraNode:
     def _read_device_plugin_holds(self, snapshot: Snapshot) -> frozenset[str] | None:
         holders = self._pods.pod_devices_known(snapshot.units)
         return None if holders is None else frozenset(holders)
+
+    def _after_claims(self) -> None:
+        self._withhold_prepared()
+        self.claims_changed()
 
     def _withhold_prepared(self) -> None:
         claimable = self._claimable(self._state.snapshot())

@@ -14,6 +14,7 @@ from edl_agent.config import Settings
 from edl_agent.devices.hostroot import HostRoot
 from edl_agent.dra.api import DraApi, KubeDraApi
 from edl_agent.dra.node import DraNode, dra_vendors
+from edl_agent.health.hub import HealthHub
 from edl_agent.health.state import DeviceState
 from edl_agent.kubelet.podresources import PodResourcesClient
 from edl_agent.runtime.supervisor import Supervisor
@@ -49,9 +50,13 @@ def start_dra(
     reasons: Callable[[], Mapping[str, str]],
     pods: PodResourcesClient,
     supervisor: Supervisor,
+    hub: HealthHub,
+    wake: threading.Event,
 ) -> DraNode | None:
-    """The DRA node, started and supervised (None when no vendor is served through DRA).
-    Raises OSError when the plugin socket or the CDI directory cannot be made."""
+    """The DRA node, started and supervised (None when no vendor is served through DRA), and
+    with an API server the writer of its claims' device status, woken by `wake` (a waker of the
+    agent's stop signal) on claim and health changes. Raises OSError when the plugin socket or
+    the CDI directory cannot be made."""
     if not dra_vendors(settings) and not settings.plugin.cdi:
         if api is not None:  # in the background: one list call when there are none
             node = state.snapshot().inventory.node
@@ -67,6 +72,18 @@ def start_dra(
     )
     dra.start()
     supervisor.add(dra, critical=False)
+    if api is not None and dra.vendors:
+        from edl_agent.dra.claim_status import ClaimStatusWriter
+
+        writer = ClaimStatusWriter(
+            api=KubeDraApi(api),
+            claims=dra.checkpoint.claims,
+            health=dra.driver_health,
+            wake=wake,
+        )
+        hub.subscribe(wake, lambda change: bool(change.transitions or change.shown), keep=False)
+        dra.claims_changed = writer.poke
+        supervisor.add(writer, critical=False)
     structlog.get_logger().info(
         "serving through DRA",
         drivers=sorted(dra.servers),
