@@ -219,7 +219,8 @@ class ClaimStatusWriter:
 
     def _failed(self, claim: PreparedClaim, exc: ApiError) -> None:
         self.failures += 1
-        if exc.status == FORBIDDEN:
+        # A driver permission refused comes back as an invalid status (422) naming it.
+        if exc.status == FORBIDDEN or "resourceclaims/driver" in str(exc):
             if not self._told_forbidden:
                 self._told_forbidden = True
                 self._log.error(

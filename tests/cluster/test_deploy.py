@@ -44,6 +44,7 @@ from manifests import delete_workloads, dry_run_warnings, kubectl_name, kustomiz
 
 from edl_agent import cli, log
 from edl_agent.config import FaultSettings, Settings
+from edl_agent.devices import names
 from edl_agent.devices.discovery import node_name
 from edl_agent.devices.hostroot import HostRoot
 from edl_agent.dra.api import KubeDraApi
@@ -486,6 +487,87 @@ def test_the_agent_account_is_refused_what_the_agent_must_not_do(
     assert k8s.read_pod(pod.metadata.name).metadata.deletion_timestamp is None
 
 
+def allocated_claim(k8s: KwokCluster, node: str, results: list[tuple[str, str]]) -> Any:
+    """A ResourceClaim allocated on `node` (as kube-scheduler writes it: one result per
+    (driver, device), a node selector naming the node)."""
+    custom = client.CustomObjectsApi(k8s.api)
+    requests = [{"name": "gpus", "exactly": {"deviceClassName": "gpu.nvidia.edl.io"}}]
+    made = custom.create_namespaced_custom_object(
+        "resource.k8s.io", "v1", k8s.namespace, "resourceclaims",
+        {"metadata": {"name": f"claim-{secrets.token_hex(3)}"},
+         "spec": {"devices": {"requests": requests}}},
+    )  # fmt: skip
+    selector = {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}
+    allocation = {
+        "devices": {
+            "results": [
+                {"request": "gpus", "driver": driver, "pool": node, "device": device}
+                for driver, device in results
+            ]
+        },
+        "nodeSelector": {"nodeSelectorTerms": [selector]},
+    }
+    return custom.patch_namespaced_custom_object_status(
+        "resource.k8s.io", "v1", k8s.namespace, "resourceclaims", made["metadata"]["name"],
+        {"status": {"allocation": allocation}}, _content_type=MERGE,
+    )  # fmt: skip
+
+
+def test_the_agent_writes_device_status_only_of_its_drivers_on_claims_of_its_node(
+    deployed: None, k8s: KwokCluster, bound_token: Callable[..., str]
+) -> None:
+    """The granular status authorization of Kubernetes 1.37 with the agent's role: its token,
+    bound to a pod on its node, may write its own drivers' entries in a claim allocated on that
+    node; not another driver's entry in the same claim, and nothing in another node's claim."""
+    ours = names.driver_name(names.Vendor.NVIDIA)
+    node = k8s.create_gpu_node().metadata.name
+    other = k8s.create_gpu_node(wait_ready=False).metadata.name
+    claim = allocated_claim(k8s, node, [(ours, "gpu-0"), ("gpu.example.com", "gpu-1")])
+    meta = claim["metadata"]
+    api = KubeDraApi(KubeApi(sa_client(k8s.api, bound_token(node, "edl-agent"))))
+    elsewhere = KubeDraApi(KubeApi(sa_client(k8s.api, bound_token(other, "edl-agent"))))
+
+    def entry(driver: str, device: str, status: str = "True") -> dict[str, Any]:
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        ready = {"type": "Ready", "status": status, "reason": "DeviceHealthy", "message": "ok",
+                 "lastTransitionTime": now}  # fmt: skip
+        return {"driver": driver, "pool": node, "device": device, "conditions": [ready]}
+
+    def write(client_: KubeDraApi, *entries: dict[str, Any]) -> Callable[[], object]:
+        return lambda: client_.apply_claim_device_status(
+            k8s.namespace, meta["name"], meta["uid"], entries, manager=f"edl-agent/{ours}"
+        )
+
+    written = wait_for(
+        "RBAC to reach the authorizer",
+        lambda: status_of(write(api, entry(ours, "gpu-0"))),
+        lambda status: status == 200,
+    )
+    assert written == 200
+    claim = client.CustomObjectsApi(k8s.api).get_namespaced_custom_object(
+        "resource.k8s.io", "v1", k8s.namespace, "resourceclaims", meta["name"]
+    )
+    assert [(d["driver"], d["device"]) for d in claim["status"]["devices"]] == [(ours, "gpu-0")]
+    refused = {
+        "another driver's entry": write(
+            api, entry(ours, "gpu-0"), entry("gpu.example.com", "gpu-1")
+        ),
+        # A change: writing what is there already needs no driver permission at all.
+        "a claim of another node": write(elsewhere, entry(ours, "gpu-0", "False")),
+    }
+    # The API server answers a refused driver permission as an invalid status (422), naming it.
+    messages = {what: message_of(call) for what, call in refused.items()}
+    assert {what: status_of(call) for what, call in refused.items()} == dict.fromkeys(refused, 422)
+    assert (
+        'cannot associated-node:patch resource "resourceclaims/driver"'
+        in messages["another driver's entry"]
+    )
+    assert (
+        'cannot arbitrary-node:patch resource "resourceclaims/driver"'
+        in messages["a claim of another node"]
+    )
+
+
 @pytest.fixture
 def policy(deployed: None, k8s: KwokCluster) -> dict[str, Any]:
     body = {
@@ -664,6 +746,23 @@ AGENT_GRANTS = [
         for verb in ("get", "list", "watch", "create", "update", "delete")
     ),
     ("get resourceclaims.resource.k8s.io -n default", True),
+    ("patch resourceclaims.resource.k8s.io --subresource=status -n default", True),
+    *(
+        (
+            f"associated-node:patch resourceclaims.resource.k8s.io/{driver} --subresource=driver",
+            True,
+        )
+        for driver in (names.driver_name(vendor) for vendor in names.CLASSES)
+    ),
+    (
+        "arbitrary-node:patch resourceclaims.resource.k8s.io/gpu.nvidia.edl.io "
+        "--subresource=driver",
+        False,
+    ),
+    (
+        "associated-node:patch resourceclaims.resource.k8s.io/gpu.nvidia.com --subresource=driver",
+        False,
+    ),
     ("list nodes", False),
     ("update nodes", False),
     ("delete nodes", False),
