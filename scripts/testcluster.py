@@ -77,6 +77,7 @@ CONTROLLERS = (
     "pod-garbage-collector-controller",
     "garbage-collector-controller",
     "resourceclaim-controller",
+    "device-taint-eviction-controller",
     "serviceaccount-token-controller",
 )
 # A node whose kubelet (or kwok's lease) stops reporting turns NotReady after this long (the
