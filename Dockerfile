@@ -1,5 +1,5 @@
 # syntax=docker/dockerfile:1
-# One image for both parts of edl-agent (README: Deploy):
+# One image for both parts of edl-agent (README: Quick start):
 #   edl-agent run        the node agent (deploy/daemonset/agent-daemonset.yaml; the DaemonSet runs
 #                        it as uid 0 with every capability dropped, for kubelet's root-owned
 #                        socket directories)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -103,10 +104,13 @@ class Parser(argparse.ArgumentParser):
 
     # The namespace attribute where the (sub)parser that met an unknown flag leaves its hint.
     HINT = "_edl_flag_hint"
+    # The arguments this parser was last given, for `error`: argparse does not pass them.
+    _given: Sequence[str] = ()
 
     def parse_known_args(  # type: ignore[override]
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:
+        self._given = list(sys.argv[1:] if args is None else args)
         parsed, extras = super().parse_known_args(args, namespace)
         # The innermost parser runs first and knows the flags of its command: its hint stays.
         if extras and not getattr(parsed, self.HINT, ""):
@@ -130,9 +134,24 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         choice = re.match(r"argument .*: invalid choice: '(.*?)' \(choose from (.*)\)$", message)
         if choice:
-            known = [c.strip(" '") for c in choice.group(2).split(",")]
-            message += did_you_mean(choice.group(1), known)
+            flag = self._unknown_flag_before(choice.group(1))
+            if flag:
+                # `restarter --lisen :1`: the value of a mistyped flag, read as a command.
+                known = [o for action in self._actions for o in action.option_strings]
+                message = f"unrecognized arguments: {flag}{did_you_mean(flag, known)}"
+            else:
+                known = [c.strip(" '") for c in choice.group(2).split(",")]
+                message += did_you_mean(choice.group(1), known)
         self.exit(EXIT_USAGE, error_line(f"{message} (see {self.prog} --help)") + "\n")
+
+    def _unknown_flag_before(self, value: str) -> str:
+        """The flag this parser does not know that stands right before `value` in its
+        arguments, or `` when there is none."""
+        for flag, following in itertools.pairwise(self._given):
+            unknown = flag.startswith("-") and flag not in self._option_string_actions
+            if following == value and unknown and "=" not in flag:
+                return flag
+        return ""
 
 
 def build_parser() -> argparse.ArgumentParser:

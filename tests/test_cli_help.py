@@ -181,6 +181,11 @@ def test_the_restarter_usage_has_no_stray_positional(capsys: pytest.CaptureFixtu
         ),
         (["config", "--kyes"], "did you mean --keys?"),
         (["restarter", "config", "--lisen", ":1"], "did you mean --listen?"),
+        (
+            ["restarter", "--lisen", ":1"],
+            "unrecognized arguments: --lisen, did you mean --listen?",
+        ),
+        (["restarter", "--listen", ":1", "confg"], "did you mean config?"),
         (["discver"], "invalid choice: 'discver'"),
         (["discver"], "did you mean discover?"),
         (["discover", "--format", "jsn"], "did you mean json?"),
@@ -197,6 +202,19 @@ def test_a_typo_gets_the_closest_key_or_flag(
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert says in err
+
+
+def test_a_mistyped_flags_value_is_not_taken_for_a_command(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`restarter` has an optional command (`config`): the value after a flag it does not know
+    would otherwise be read as that command."""
+    with pytest.raises(SystemExit) as done:
+        main(["restarter", "--lisen", ":1"])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice" not in err
+    assert "':1'" not in err
 
 
 def test_nothing_close_is_not_guessed(capsys: pytest.CaptureFixture[str]) -> None:

@@ -22,7 +22,7 @@ from manifests import dry_run_warnings
 
 from edl_agent.faults.model import Fault, FaultKind, PodRef
 from edl_agent.restarter.decide import Action, decide
-from edl_agent.restarter.policy import PodIdentity
+from edl_agent.restarter.policy import ExceptionalEvent, PodIdentity
 from edl_agent.restarter.record import JobRecord
 from edl_agent.restarter.spec import parse_policy
 from edl_agent.restarter.status import read_job, record_decision
@@ -245,22 +245,49 @@ def test_the_status_subresource_keeps_what_the_restarter_records(
     assert again["status"] == status
 
 
+def server_dry_run(example: Path, namespace: str, kubectl: Kubectl) -> list[dict[str, Any]]:
+    """`kubectl create --dry-run=server` of a file of deploy/examples: what the API server would
+    store, one object per document, after it warned of nothing (it drops fields it does not
+    know, with a warning)."""
+    tried = kubectl("create", "--dry-run=server", "-n", namespace, f"-f={example}", "-o=json")
+    made, text, decoder = [], tried.stdout.strip(), json.JSONDecoder()
+    while text:  # one JSON object per document, one after the other
+        item, end = decoder.raw_decode(text)
+        made.append(item)
+        text = text[end:].lstrip()
+    assert not dry_run_warnings(tried.stderr), tried.stderr
+    return made
+
+
 def test_the_paddle_elastic_example_passes_a_server_side_dry_run(
     crd: Any, k8s: KwokCluster, kubectl: Kubectl
 ) -> None:
     """deploy/examples/paddle-elastic-job.yaml: a policy the CRD and our parser accept, and
     worker pods whose container restart rules the API server keeps (it would drop fields it
     does not know)."""
-    example = DEPLOY.parent / "examples" / "paddle-elastic-job.yaml"
-    tried = kubectl("create", "--dry-run=server", "-n", k8s.namespace, f"-f={example}", "-o=json")
-    made, text, decoder = [], tried.stdout.strip(), json.JSONDecoder()
-    while text:  # one JSON object per document, one after the other
-        item, end = decoder.raw_decode(text)
-        made.append(item)
-        text = text[end:].lstrip()
+    made = server_dry_run(
+        DEPLOY.parent / "examples" / "paddle-elastic-job.yaml", k8s.namespace, kubectl
+    )
     assert [m["kind"] for m in made] == ["FaultTolerancePolicy", "Pod", "Pod", "Pod"]
     assert len(parse_policy(made[0]["spec"]).rules) == 2
     for pod in made[1:]:
         [container] = pod["spec"]["containers"]
         assert container["restartPolicyRules"][0]["exitCodes"]["values"] == [101, 129]
-    assert not dry_run_warnings(tried.stderr), tried.stderr
+
+
+def test_the_quick_start_gpu_pod_passes_a_server_side_dry_run(
+    crd: Any, k8s: KwokCluster, kubectl: Kubectl
+) -> None:
+    """deploy/examples/gpu-pod.yaml, the README's first workload: a policy the CRD and our
+    parser accept that covers the pod and replaces it when its GPU turns Unhealthy, and a pod
+    asking one `nvidia.com/gpu`."""
+    policy, pod = server_dry_run(
+        DEPLOY.parent / "examples" / "gpu-pod.yaml", k8s.namespace, kubectl
+    )
+    assert (policy["kind"], pod["kind"]) == ("FaultTolerancePolicy", "Pod")
+    assert policy["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    [rule] = parse_policy(policy["spec"]).rules
+    assert rule.events is not None
+    assert ExceptionalEvent.DEVICE_UNHEALTHY in rule.events
+    [container] = pod["spec"]["containers"]
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": "1"}
