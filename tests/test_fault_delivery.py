@@ -371,6 +371,20 @@ def test_refusals_are_logged_at_most_once_per_reason_per_interval() -> None:
     assert intake.counts().refused == {"wrong_node": 4}
 
 
+def test_the_intake_gives_freed_heap_back_while_it_serves() -> None:
+    """What grpc core freed after a connection storm (runtime/heap.py); the trim's thread
+    ends with the server."""
+    restarter = Restarter(heap_trim_seconds=0.01)
+    if not restarter.server.trimmer.available:
+        pytest.skip("a C library without malloc_trim")
+    restarter.server.start()
+    try:
+        wait_until(lambda: restarter.server.trimmer.trims >= 2, what="heap trims")
+    finally:
+        restarter.server.stop(0)
+    assert not [t for t in threading.enumerate() if t.name == "heap-trim"]
+
+
 def test_a_busy_port_is_an_intake_error(restarter: Restarter) -> None:
     other = IntakeServer(restarter.intake, listen=restarter.address)
     with pytest.raises(IntakeError, match="cannot serve"):

@@ -68,6 +68,7 @@ from edl_agent.restarter.auth import (
 from edl_agent.restarter.evidence import Check, Outcome, check_exit, check_pod
 from edl_agent.restarter.metrics import IntakeCounts
 from edl_agent.restarter.server_tls import CertificateError, ReloadingCertificate
+from edl_agent.runtime import heap
 from edl_agent.runtime.bounded import BoundedMap, BoundedSet
 
 log = structlog.get_logger(__name__)
@@ -380,6 +381,7 @@ class IntakeServer:
         max_connections: int = 8192,
         handshake_timeout: float = 10.0,
         idle_timeout: float = 300.0,
+        heap_trim_seconds: float = heap.DEFAULT_INTERVAL_SECONDS,
     ) -> None:
         if (tls_cert is None) != (tls_key is None):
             msg = "the intake's TLS needs both a certificate and a key"
@@ -397,6 +399,8 @@ class IntakeServer:
             ("grpc.server_handshake_timeout_ms", int(handshake_timeout * 1000)),
             ("grpc.max_connection_idle_ms", int(idle_timeout * 1000)),
         ]
+        # What grpc core freed after a storm of connections goes back to the system (heap.py).
+        self.trimmer = heap.HeapTrimmer(heap_trim_seconds)
         self.certificate: ReloadingCertificate | None = None
         self._server: Any = None
         self._executor: futures.ThreadPoolExecutor | None = None
@@ -432,6 +436,7 @@ class IntakeServer:
             msg = f"cannot serve the fault intake on {self.listen}"
             raise IntakeError(msg)
         server.start()
+        self.trimmer.start()
         self._server, self._executor, self.port = server, executor, port
         log.info("fault intake serving", listen=self.listen, port=port, tls=self._tls is not None)
 
@@ -444,6 +449,7 @@ class IntakeServer:
             server.stop(grace).wait()
         if executor is not None:
             executor.shutdown(wait=True, cancel_futures=True)
+        self.trimmer.stop()
 
 
 def _abort(context: Any, code: grpc.StatusCode, details: str) -> NoReturn:
