@@ -44,6 +44,7 @@ def test_one_address_gets_its_share_and_no_more_while_others_get_in(capped: Rest
         with connect(port) as fourth:
             assert fourth.recv(1) == b""  # closed at once, long before the handshake timeout
         assert gate.refused == 1
+        assert capped.intake.counts().refused == {"too_many_connections": 1}  # in its metrics
         with connect(port, source="127.0.0.2"):
             wait_until(lambda: gate.open["127.0.0.2"] == 1, what="another address let in")
             with pytest.raises(grpc.RpcError) as full:  # 127.0.0.1 is still at its cap

@@ -147,6 +147,11 @@ class FaultIntake(fault_pb2_grpc.FaultIntakeServicer):
         with self._lock:
             return dataclasses.replace(self._counts, refused=dict(self._refused))
 
+    def refuse_connection(self) -> None:
+        """Count a connection the gate in front closed unread (peer_gate.py: logged there)."""
+        with self._lock:
+            self._refused[Refusal.TOO_MANY_CONNECTIONS.value] += 1
+
     def report_bytes(self, raw: bytes, context: Any) -> fault_pb2.ReportResponse:
         """`Report` for a request still encoded: one that does not decode (a string field with
         invalid UTF-8, say) is refused INVALID_ARGUMENT, where grpc's own decoding would answer
@@ -442,6 +447,7 @@ class IntakeServer:
                     target=hidden,
                     per_peer=self._per_peer,
                     total=self._max_connections,
+                    on_refused=self.intake.refuse_connection,
                 )
                 port = gate.port
         except (OSError, RuntimeError, CertificateError, ValueError) as exc:

@@ -22,6 +22,7 @@ import selectors
 import socket
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import structlog
@@ -56,7 +57,15 @@ class PeerGate:
     """Listens on `listen` (`host:port`, `:port` for every address) and relays to the abstract
     unix socket `target` (its name, without the leading NUL)."""
 
-    def __init__(self, *, listen: str, target: str, per_peer: int, total: int) -> None:
+    def __init__(
+        self,
+        *,
+        listen: str,
+        target: str,
+        per_peer: int,
+        total: int,
+        on_refused: Callable[[], None] = lambda: None,
+    ) -> None:
         host, port = parse_host_port(listen.replace("[::]:", ":", 1))
         family = socket.AF_INET6 if (not host or ":" in host) else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
@@ -74,6 +83,7 @@ class PeerGate:
         self._target = "\0" + target
         self._per_peer = per_peer
         self._total = total
+        self._on_refused = on_refused  # counted in the intake's refusals (its metrics)
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -157,6 +167,7 @@ class PeerGate:
 
     def _refuse(self, connection: socket.socket, peer: str) -> None:
         self.refused += 1
+        self._on_refused()
         connection.close()  # as grpc closes one past its total cap
         if self.refused % LOG_EVERY_REFUSALS == 1:
             log.warning(
