@@ -94,13 +94,14 @@ def test_the_gate_relays_every_byte_both_ways_through_its_bounded_buffers() -> N
 
     server = threading.Thread(target=serve, name="echo")
     server.start()
-    gate = PeerGate(listen="127.0.0.1:0", target=name, per_peer=1, total=4)
+    gate = PeerGate(listen=":0", target=name, per_peer=1, total=4)  # every address
     gate.start()
     payload = os.urandom(4 << 20)
     try:
         with socket.create_connection(("127.0.0.1", gate.port), timeout=30) as client:
             sending = threading.Thread(target=client.sendall, args=(payload,), name="send")
             sending.start()
+            wait_until(lambda: gate.open == {"127.0.0.1": 1}, what="IPv4 on a dual-stack door")
             received = bytearray()
             while len(received) < len(payload):
                 chunk = client.recv(1 << 20)

@@ -66,19 +66,7 @@ class PeerGate:
         total: int,
         on_refused: Callable[[], None] = lambda: None,
     ) -> None:
-        host, port = parse_host_port(listen.replace("[::]:", ":", 1))
-        family = socket.AF_INET6 if (not host or ":" in host) else socket.AF_INET
-        self._listener = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                self._listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            self._listener.bind((host or "::", port))
-            self._listener.listen(1024)
-        except OSError:
-            self._listener.close()
-            raise
-        self._listener.setblocking(False)
+        self._listener = _listen(*parse_host_port(listen.replace("[::]:", ":", 1)))
         self.port: int = self._listener.getsockname()[1]
         self._target = "\0" + target
         self._per_peer = per_peer
@@ -87,7 +75,7 @@ class PeerGate:
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
-        self._stopping = False
+        self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
         self._names = itertools.count()
         self._pairs: set[_Pair] = set()
@@ -102,7 +90,7 @@ class PeerGate:
 
     def stop(self) -> None:
         """Close the listener and every connection; the thread ends."""
-        self._stopping = True
+        self._stopped.set()
         with contextlib.suppress(OSError):
             self._wake_w.send(b"x")
         if self._thread is not None:
@@ -116,22 +104,29 @@ class PeerGate:
         self._wake_w.close()
 
     def _run(self) -> None:
-        while not self._stopping:
-            for key, events in self._selector.select():
-                if key.fileobj is self._listener:
-                    self._accept()
-                elif key.fileobj is self._wake_r:
-                    with contextlib.suppress(OSError):
-                        self._wake_r.recv(64)
-                else:
-                    pair, side = key.data
-                    if pair not in self._pairs:
-                        continue  # closed by an earlier event of this round
-                    try:
-                        self._serve(pair, side, events)
-                    except Exception:  # a bug costs this connection, never the intake's door
-                        log.exception("intake gate failed on a connection; closed", peer=pair.peer)
-                        self._close(pair)
+        while not self._stopped.is_set():
+            try:
+                self._round()
+            except Exception:  # the intake's door stays open: logged, and the next round
+                log.exception("intake gate round failed")
+                self._stopped.wait(1.0)
+
+    def _round(self) -> None:
+        for key, events in self._selector.select():
+            if key.fileobj is self._listener:
+                self._accept()
+            elif key.fileobj is self._wake_r:
+                with contextlib.suppress(OSError):
+                    self._wake_r.recv(64)
+            else:
+                pair, side = key.data
+                if pair not in self._pairs:
+                    continue  # closed by an earlier event of this round
+                try:
+                    self._serve(pair, side, events)
+                except Exception:  # a bug costs this connection, never the intake's door
+                    log.exception("intake gate failed on a connection; closed", peer=pair.peer)
+                    self._close(pair)
 
     def _accept(self) -> None:
         for _ in range(64):  # a few at a time: the connections in hand are served in between
@@ -230,6 +225,37 @@ class PeerGate:
         self.open[pair.peer] -= 1
         if self.open[pair.peer] <= 0:
             del self.open[pair.peer]
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A non-blocking listening socket: every address (IPv6 and IPv4, or IPv4 alone where the
+    host has no IPv6) for an empty `host`."""
+    families = [socket.AF_INET6, socket.AF_INET] if not host else [_family(host)]
+    for family in families:
+        try:
+            listener = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
+            if family is families[-1]:
+                raise
+            continue
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6 and not host:
+                listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            everywhere = "::" if family == socket.AF_INET6 else "0.0.0.0"  # noqa: S104 - `:port`
+            listener.bind((host or everywhere, port))
+            listener.listen(1024)
+        except OSError:
+            listener.close()
+            raise
+        listener.setblocking(False)
+        return listener
+    msg = "no address family to listen with"
+    raise OSError(msg)
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
 def _host(address: tuple[str, int] | tuple[str, int, int, int]) -> str:
