@@ -104,6 +104,12 @@ class Agent:
         self.root = HostRoot.at(settings.host_root)
         self._log = structlog.get_logger()
         self._failing: dict[str, str] = {}  # step → its error, while it fails
+        # Started later (the CLI's start_*): None until then. First, for what runs before them
+        # (the quarantine writer tells `_unsaved_turned` when the restored quarantine fails).
+        self.nvml: NvmlWatcher | None = None
+        self.publisher: NodePublisher | None = None
+        self.dra: DraNode | None = None
+        self.metrics: NodeMetrics | None = None
         started = time.monotonic()
         self.state = DeviceState(discover_node(settings))
         node = self.state.snapshot().inventory.node
@@ -155,10 +161,6 @@ class Agent:
         self.quiet = QuietPeriods(self.hub, waker())
         self.marks = OperatorMarks(self.hub, self._announce)
         self.faults = FaultReporting(settings.faults, node)
-        self.nvml: NvmlWatcher | None = None
-        self.publisher: NodePublisher | None = None
-        self.dra: DraNode | None = None
-        self.metrics: NodeMetrics | None = None
 
     def serve_kubelet(self) -> None:
         """Serve every resource and register it with kubelet now, before the rest starts: the
