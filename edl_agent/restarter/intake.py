@@ -374,7 +374,8 @@ def _uid(pod: Mapping[str, Any] | None) -> str:
 
 class IntakeServer:
     """Serves a FaultIntake on `listen` (`host:port`, `:port` for every address), with TLS when
-    a certificate and key are given."""
+    a certificate and key are given, behind a gate that caps the connections from one address
+    (peer_gate.py; none when `max_connections_per_peer` is 0)."""
 
     def __init__(
         self,
