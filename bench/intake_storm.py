@@ -4,10 +4,15 @@ open fds before, at the storm's height and after the intake closed them (its han
 and how long a real TLS report takes during the storm.
 
     .venv/bin/python bench/intake_storm.py [--quick] [--connections 3000] [--timeout 2]
+        [--trim-seconds 2] [--per-peer 0]
 
 `--quick` is `--connections 300`. The intake runs in a process of its own (so its RSS is its
 own), with the intake's settings but a handshake timeout of `--timeout` seconds (the default is
-10 s; shorter here to keep the bench short). Prints one `name value unit` line per figure.
+10 s) and a heap trim every `--trim-seconds` (the default is 10 s; 0: none, as before the
+intake trimmed), both shorter here to keep the bench short, and no per-address cap unless
+`--per-peer` (all the bench's connections come from one address: with the intake's cap of 16,
+all but 16 would be closed at once; a storm from many addresses meets grpc as here). Prints
+one `name value unit` line per figure.
 """
 
 from __future__ import annotations
@@ -39,7 +44,9 @@ intake = FaultIntake(
     find_pod=lambda ref: None,
 )
 server = IntakeServer(intake, listen="127.0.0.1:0", tls_cert=Path(sys.argv[1]),
-                      tls_key=Path(sys.argv[2]), handshake_timeout=float(sys.argv[3]))
+                      tls_key=Path(sys.argv[2]), handshake_timeout=float(sys.argv[3]),
+                      heap_trim_seconds=float(sys.argv[4]),
+                      max_connections_per_peer=int(sys.argv[5]))
 server.start()
 print("PORT", server.port, flush=True)
 sys.stdin.read()  # until the bench closes our stdin
@@ -69,6 +76,16 @@ def main() -> int:  # noqa: PLR0915 - one measurement, read top to bottom
     parser.add_argument("--quick", action="store_true", help="300 connections")
     parser.add_argument("--connections", type=int, default=3000)
     parser.add_argument("--timeout", type=float, default=2.0, help="the handshake timeout, s")
+    parser.add_argument(
+        "--trim-seconds", type=float, default=2.0, help="the heap trim's interval, s; 0: none"
+    )
+    parser.add_argument(
+        "--per-peer",
+        type=int,
+        default=0,
+        help="the intake's per-address cap (its default is 16; 0 here: no cap, as a storm from "
+        "many addresses meets grpc)",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="storms one after the other")
     parser.add_argument("--env", action="append", default=[], help="NAME=VALUE for the intake")
     args = parser.parse_args()
@@ -76,7 +93,12 @@ def main() -> int:  # noqa: PLR0915 - one measurement, read top to bottom
     with tempfile.TemporaryDirectory(prefix="edl-intake-storm-") as tmp:
         cert, key = make_certificate(Path(tmp))
         server = subprocess.Popen(
-            [sys.executable, "-c", SERVER, str(cert), str(key), str(args.timeout)],
+            [
+                sys.executable,
+                "-c",
+                SERVER,
+                *map(str, (cert, key, args.timeout, args.trim_seconds, args.per_peer)),
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -111,7 +133,8 @@ def main() -> int:  # noqa: PLR0915 - one measurement, read top to bottom
                 deadline = time.monotonic() + args.timeout + 30
                 while process.num_fds() > before_fds + 10 and time.monotonic() < deadline:
                     time.sleep(0.2)
-                time.sleep(2.0)  # what the allocator gives back, it gives back by now
+                # What the allocator gives back, and the intake's heap trim, by now.
+                time.sleep(2.0 + args.trim_seconds)
                 after.append((process.memory_info().rss, process.num_fds()))
             after_rss, after_fds = after[-1]
             closed = sum(1 for c in silent if _closed(c))

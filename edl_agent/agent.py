@@ -51,6 +51,7 @@ from edl_agent.kubelet.podresources import (
     PodResourcesClient,
     Units,
 )
+from edl_agent.labels.condition import Unsaved
 from edl_agent.labels.cordon import RELEASE_DEVICES
 from edl_agent.labels.events import EventSpec
 from edl_agent.labels.marks import OperatorMarks
@@ -103,13 +104,20 @@ class Agent:
         self.root = HostRoot.at(settings.host_root)
         self._log = structlog.get_logger()
         self._failing: dict[str, str] = {}  # step → its error, while it fails
+        # Started later (the CLI's start_*): None until then. First, for what runs before them
+        # (the quarantine writer tells `_unsaved_turned` when the restored quarantine fails).
+        self.nvml: NvmlWatcher | None = None
+        self.publisher: NodePublisher | None = None
+        self.dra: DraNode | None = None
+        self.metrics: NodeMetrics | None = None
         started = time.monotonic()
         self.state = DeviceState(discover_node(settings))
         node = self.state.snapshot().inventory.node
         self.supervisor = Supervisor(self.stop)
         directory = settings.faults.state_dir
         store = QuarantineStore(Path(directory) / "health")
-        self.writer = QuarantineWriter(store, waker()) if directory else None
+        writer = QuarantineWriter(store, waker(), on_unsaved=self._unsaved_turned)
+        self.writer = writer if directory else None
         boot_id = read_boot_id(self.root.read_optional)
         self.hub = HealthHub(self.state, health, boot_id=boot_id, writer=self.writer)
         if self.writer is not None:  # what an earlier run quarantined, before kubelet is served
@@ -153,10 +161,6 @@ class Agent:
         self.quiet = QuietPeriods(self.hub, waker())
         self.marks = OperatorMarks(self.hub, self._announce)
         self.faults = FaultReporting(settings.faults, node)
-        self.nvml: NvmlWatcher | None = None
-        self.publisher: NodePublisher | None = None
-        self.dra: DraNode | None = None
-        self.metrics: NodeMetrics | None = None
 
     def serve_kubelet(self) -> None:
         """Serve every resource and register it with kubelet now, before the rest starts: the
@@ -243,6 +247,7 @@ class Agent:
             on_cordon=self.marks.cordon,
             on_release=self.marks.release,
             monitors=self.hub.monitor_failures,
+            unsaved=self.unsaved,
         )
         self.hub.subscribe(self.publisher.poke_event, lambda change: change.shown, keep=False)
         self.publisher.start()
@@ -274,6 +279,8 @@ class Agent:
         from edl_agent.faults.device_faults import DeviceFaults
 
         self.faults.start(api, self.supervisor)
+        if self.faults.outbox is not None:
+            self.faults.outbox.add_memory_listener(self._unsaved_turned)
         self.device_faults = DeviceFaults(
             hub=self.hub,
             state=self.state,
@@ -339,7 +346,17 @@ class Agent:
         return self.round.served.wait(timeout)
 
     def ready(self) -> tuple[bool, str]:
-        """Readiness for /readyz: every vendor's monitor works and the plugins are served."""
+        """Readiness for /readyz: every vendor's monitor works and the plugins are served. The
+        detail says what the disk refused to hold, ready or not: said, not failed (a full disk is
+        no reason to stop serving)."""
+        ready, detail = self._readiness()
+        unsaved = self.unsaved()
+        if unsaved:
+            refused = f"the disk refuses writes: {unsaved.describe()} kept in memory only"
+            detail = f"{detail}, but {refused}" if ready else f"{detail}; {refused}"
+        return ready, detail
+
+    def _readiness(self) -> tuple[bool, str]:
         failed = self.hub.monitor_failures()
         if failed:
             reasons = ", ".join(f"{v.value}: {c.reason}" for v, c in failed.items())
@@ -350,29 +367,28 @@ class Agent:
         unserved = [] if starting else self.plugins.unserved()
         if starting or unserved:
             return False, f"no socket served for {', '.join(unserved)}" if unserved else "starting"
-        ready, detail = self.supervisor.ready()
-        held = self._held_in_memory()
-        if ready and held:  # still serving: said, not failed (a full disk is no reason to stop)
-            return True, f"ok, but the disk refuses writes: {held} kept in memory only"
-        return ready, detail
+        return self.supervisor.ready()
 
-    def _held_in_memory(self) -> str:
-        """What the state directory does not hold now, in words ("" when it holds everything)."""
-        held = []
+    def unsaved(self) -> Unsaved:
+        """What the state directory does not hold now, because it refused the writes."""
         outbox = self.faults.outbox
-        in_memory = outbox.counts().in_memory if outbox is not None else 0
-        if in_memory:
-            held.append(f"{in_memory} fault(s) for the restarter")
-        if self.writer is not None and self.writer.unsaved:
-            held.append("the quarantine")
-        return " and ".join(held)
+        return Unsaved(
+            faults=outbox.counts().in_memory if outbox is not None else 0,
+            quarantine=self.writer is not None and self.writer.unsaved,
+        )
+
+    def _unsaved_turned(self) -> None:
+        """The disk started or stopped refusing: the node condition says so (any thread)."""
+        if self.publisher is not None:
+            self.publisher.poke_event.set()
 
     def agent_counts(self) -> AgentCounts:
-        plugin, dra, outbox = self.plugins.counters, self.dra, self.faults.outbox
+        plugin, dra = self.plugins.counters, self.dra
         failures = Counter(self.step_failures)
         if self.writer is not None and self.writer.failures:
             failures["quarantine_save"] = self.writer.failures
         vendors = {r.vendor.value for r in self.state.snapshot().inventory.reports}
+        unsaved = self.unsaved()
         return AgentCounts(
             discovery_seconds=self.inventory.discovery_seconds,
             nvml_event_loop_restarts=self.nvml.restarts if self.nvml is not None else 0,
@@ -384,8 +400,8 @@ class Agent:
             parts={p.name: (p.up, p.restarts) for p in self.supervisor.statuses()},
             dra_plugins=dra.plugin_counts() if dra is not None else {},
             dra_publish_failures=dra.publish_failures if dra is not None else 0,
-            faults_in_memory=outbox.counts().in_memory if outbox is not None else 0,
-            quarantine_unsaved=self.writer is not None and self.writer.unsaved,
+            faults_in_memory=unsaved.faults,
+            quarantine_unsaved=unsaved.quarantine,
         )
 
     def _holders_query(self) -> tuple[Units, Claimable]:

@@ -10,6 +10,7 @@ import shutil
 import socket
 import subprocess
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from edl_agent.faults.ids import container_exit_id
 from edl_agent.faults.model import Fault, PodRef
 from edl_agent.faults.outbox import Outbox
 from edl_agent.faults.pod_faults import container_exit_faults
-from edl_agent.faults.sender import Sender, SenderSettings
+from edl_agent.faults.sender import RECONNECT_MAX_MS, Sender, SenderSettings
 from edl_agent.restarter.auth import (
     NODE_NAME_EXTRA,
     CachedReviewer,
@@ -115,6 +116,7 @@ class Restarter:
     def __init__(self, port: int = 0, **server: object) -> None:
         self.reviewer = StandInReviewer()
         self.received: list[Fault] = []
+        self.received_at: list[float] = []  # time.monotonic() of each, in order
         self.fail_sink = False
         self.not_cached: set[str] = set()  # pods the cache does not show (yet)
         self._lock = threading.Lock()
@@ -129,6 +131,7 @@ class Restarter:
             raise RuntimeError(msg)
         with self._lock:
             self.received.append(f)
+            self.received_at.append(time.monotonic())
 
     def _find_pod(self, ref: PodRef) -> dict[str, Any] | None:
         return None if ref.name in self.not_cached else cached_pod(ref)
@@ -368,6 +371,20 @@ def test_refusals_are_logged_at_most_once_per_reason_per_interval() -> None:
     assert intake.counts().refused == {"wrong_node": 4}
 
 
+def test_the_intake_gives_freed_heap_back_while_it_serves() -> None:
+    """What grpc core freed after a connection storm (runtime/heap.py); the trim's thread
+    ends with the server."""
+    restarter = Restarter(heap_trim_seconds=0.01)
+    if not restarter.server.trimmer.available:
+        pytest.skip("a C library without malloc_trim")
+    restarter.server.start()
+    try:
+        wait_until(lambda: restarter.server.trimmer.trims >= 2, what="heap trims")
+    finally:
+        restarter.server.stop(0)
+    assert not [t for t in threading.enumerate() if t.name == "heap-trim"]
+
+
 def test_a_busy_port_is_an_intake_error(restarter: Restarter) -> None:
     other = IntakeServer(restarter.intake, listen=restarter.address)
     with pytest.raises(IntakeError, match="cannot serve"):
@@ -467,6 +484,35 @@ def test_the_sender_waits_out_an_outage(tmp_path: Path) -> None:
         outbox.close()
         later.server.stop(0)
     assert later.ids() == {fid(1): 1, fid(2): 1}
+
+
+def test_a_fault_queued_in_an_outage_goes_within_the_backoff_cap_once_the_intake_is_back(
+    tmp_path: Path,
+) -> None:
+    """However long the outage, the fault waiting in the outbox reaches the intake at most
+    `backoff_max` (the sender's next call) plus the channel's reconnect backoff (at most
+    RECONNECT_MAX_MS, where gRPC's own would grow to 120 s) after it is back, and a second's
+    slack for a loaded machine; not before (nothing listened)."""
+    port = free_port()
+    cap = 1.0
+    outbox, sender = sender_for(tmp_path, f"127.0.0.1:{port}", backoff_initial=0.1, backoff_max=cap)
+    later = Restarter(port)
+    sender.start()
+    try:
+        outbox.enqueue(fault(1))
+        # Eight failures in a row: the backoff has been at its cap for four (0.1, 0.2, 0.4, 0.8,
+        # 1.0, ...); doubling on, the next wait would be 6.4 to 12.8 s.
+        wait_until(lambda: sender.counts().call_failures >= 8, 30, what="an outage")
+        back = time.monotonic()
+        later.server.start()
+        wait_until(lambda: len(outbox) == 0, 30, what="the fault delivered")
+    finally:
+        sender.stop()
+        outbox.close()
+        later.server.stop(0)
+    assert later.ids() == {fid(1): 1}
+    [delivered] = later.received_at
+    assert 0 < delivered - back <= cap + RECONNECT_MAX_MS / 1000 + 1.0
 
 
 def test_a_token_is_read_for_every_call(restarter: Restarter, tmp_path: Path) -> None:

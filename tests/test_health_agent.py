@@ -119,6 +119,30 @@ def test_a_lost_gpu_waits_for_a_reboot_across_agent_restarts(tmp_path: Path) -> 
         watch.cancel()
 
 
+def test_an_agent_starts_when_the_quarantine_it_restored_cannot_be_saved(tmp_path: Path) -> None:
+    """The restored quarantine changed (a reboot ended a wait) and the disk refuses the new
+    one: kept in memory, said on /readyz; starting does not fail."""
+    with running_node(tmp_path, "dgx-h100") as node:
+        ids = gpu_ids(node)
+        watch = watch_gpus(node)
+        inject.inject_lost(node.tree, 6)
+        watch.until(lambda u: health_of(u)[ids[6]] == "Unhealthy")
+        watch.cancel()
+    inject.reboot(node.tree)
+    saved = tmp_path / "state" / "health"
+    (saved / "quarantine.json.tmp").mkdir()  # every write of the quarantine fails (EISDIR)
+    with running_node(tmp_path, "dgx-h100") as node:
+        assert node.agent.unsaved().quarantine
+        wait_until(
+            lambda: (
+                node.agent.ready()[1]
+                == "ok, but the disk refuses writes: the quarantine kept in memory only"
+            ),
+            30,
+            what="ready, saying what the disk refused",
+        )
+
+
 def test_a_reboot_seen_while_running_ends_reset_and_reboot_waits(tmp_path: Path) -> None:
     with running_node(tmp_path, "dgx-h100") as node:
         ids = gpu_ids(node)

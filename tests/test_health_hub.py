@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
 from edl_agent.config import HealthSettings
 from edl_agent.devices.model import Device, Inventory, Vendor, VendorReport
@@ -126,32 +127,50 @@ def test_a_quarantine_that_cannot_be_saved_is_kept_and_saved_once_the_disk_works
 ) -> None:
     blocked = tmp_path / "state"
     blocked.write_text("a file where the directory should be")  # every write fails (ENOTDIR)
-    writer = QuarantineWriter(QuarantineStore(blocked / "health"), threading.Event())
+    turns: list[bool] = []
+    writer = QuarantineWriter(
+        QuarantineStore(blocked / "health"),
+        threading.Event(),
+        on_unsaved=lambda: turns.append(writer.unsaved),
+    )
     hub = HealthHub(DeviceState(INVENTORY), HealthSettings(), boot_id="boot-1", writer=writer)
     for code in (79, 48, 95):
         hub.report(xid("GPU-0", code))
         writer.flush()
     assert (writer.failures, writer.unsaved) == (3, True)
     assert capsys.readouterr().out.count("quarantine not saved") == 1  # said once, not per try
+    assert turns == [True]  # heard once too
 
     blocked.unlink()  # the disk works again: the next try saves what was kept, unchanged since
     writer.flush()
 
     assert (writer.unsaved, writer.writes) == (False, 1)
+    assert turns == [True, False]
     loaded = QuarantineStore(blocked / "health").load()
     assert loaded is not None
     assert set(loaded.conditions) == {"GPU-0"}
     assert "quarantine saved again" in capsys.readouterr().out
 
 
-def test_readyz_says_what_the_disk_does_not_hold_and_stays_ready(tmp_path: Path) -> None:
+def test_readyz_and_the_node_condition_say_what_the_disk_does_not_hold_until_it_does(
+    tmp_path: Path,
+) -> None:
     from tests.test_health_agent import gpu_ids
     from tests.test_plugin import running_node
 
-    with running_node(tmp_path, "dgx-h100") as node:
+    note = "; state directory refuses writes: the quarantine kept in memory only"
+    with running_node(tmp_path, "dgx-h100") as node, capture_logs() as logs:
         wait_until(lambda: node.agent.ready() == (True, "ok"), 30, what="the agent ready")
+        node.agent.start_publisher(None)  # log only: each condition it would write is logged
+
+        def condition() -> str:
+            written = [e for e in logs if e["event"].startswith("node condition (log only")]
+            return str(written[-1]["message"]) if written else ""
+
+        wait_until(lambda: condition().startswith("all 8"), 10, what="the first condition")
         writer = node.agent.writer
         assert writer is not None
+        saved = writer.store.path
         blocked = tmp_path / "blocked"
         blocked.write_text("")
         writer.store.path = blocked / "quarantine.json"  # the disk refuses from now on
@@ -161,3 +180,12 @@ def test_readyz_says_what_the_disk_does_not_hold_and_stays_ready(tmp_path: Path)
         ready, detail = node.agent.ready()
         assert ready
         assert detail == "ok, but the disk refuses writes: the quarantine kept in memory only"
+        wait_until(lambda: note in condition(), 10, what="the full disk in the condition")
+        assert condition().startswith("1 of 8 accelerators unhealthy")
+
+        writer.store.path = saved  # the disk takes writes again: the next try saves it
+        writer.flush()  # (the writer's own try comes after RETRY_SECONDS)
+        assert not writer.unsaved
+        assert node.agent.ready() == (True, "ok")
+        wait_until(lambda: note not in condition(), 10, what="the condition without the note")
+        assert condition().startswith("1 of 8 accelerators unhealthy")

@@ -22,6 +22,7 @@ from edl_agent.labels.compute import gpu_family, label_value, node_labels
 from edl_agent.labels.condition import (
     MAX_MESSAGE,
     AcceleratorHealth,
+    Unsaved,
     accelerator_health,
     condition_reason,
     node_condition,
@@ -492,6 +493,70 @@ def test_condition_message_is_cut_and_unknown_devices_named_by_id() -> None:
     assert len(health.message) == MAX_MESSAGE
     assert health.message.startswith("40 of 40 accelerators unhealthy: GPU-0-xxx")
     assert health.message.endswith("...")
+
+
+NOTE = "; state directory refuses writes: "
+LOST = " kept in memory only, lost if the agent restarts"
+
+
+@pytest.mark.parametrize(
+    ("unsaved", "said"),
+    [
+        (None, None),
+        (Unsaved(), None),
+        (Unsaved(faults=3), "faults for the restarter"),
+        (Unsaved(quarantine=True), "the quarantine"),
+        (Unsaved(faults=1, quarantine=True), "faults for the restarter and the quarantine"),
+    ],
+)
+@pytest.mark.parametrize("sick", [False, True])
+def test_a_disk_that_refuses_writes_is_said_in_the_message_only(
+    unsaved: Unsaved | None, said: str | None, *, sick: bool
+) -> None:
+    inv = inventory(nvidia(gpu(0), gpu(1)))
+    unhealthy = {"GPU-1": fault("XID79", Level.NODE_FATAL)} if sick else {}
+    plain = accelerator_health(inventory=inv, unhealthy=unhealthy)
+    health = accelerator_health(inventory=inv, unhealthy=unhealthy, unsaved=unsaved)
+    assert (health.status, health.reason, health.faults) == (
+        plain.status,
+        plain.reason,
+        plain.faults,
+    )  # no accelerator fault
+    expected = plain.message if said is None else plain.message + NOTE + said + LOST
+    assert health.message == expected
+
+
+def test_the_full_disk_note_is_never_cut_and_says_no_count() -> None:
+    unhealthy = {f"GPU-{i}-{'x' * 60}": fault() for i in range(40)}
+    unsaved = Unsaved(faults=7, quarantine=True)
+    health = accelerator_health(
+        inventory=inventory(nvidia(gpu(0))), unhealthy=unhealthy, unsaved=unsaved
+    )
+    assert len(health.message) == MAX_MESSAGE
+    assert health.message.endswith(
+        "..." + NOTE + "faults for the restarter and the quarantine" + LOST
+    )
+    assert "7" not in health.message.partition(NOTE)[2]  # the count changes; the condition not
+    empty = accelerator_health(inventory=inventory(), unhealthy={}, unsaved=unsaved)
+    assert (empty.reason, empty.message.count(NOTE)) == ("NoAcceleratorsFound", 1)
+
+
+@pytest.mark.parametrize(
+    ("unsaved", "counted", "plain"),
+    [
+        (Unsaved(), "", ""),
+        (Unsaved(faults=2), "2 fault(s) for the restarter", "faults for the restarter"),
+        (Unsaved(quarantine=True), "the quarantine", "the quarantine"),
+        (
+            Unsaved(faults=1, quarantine=True),
+            "1 fault(s) for the restarter and the quarantine",
+            "faults for the restarter and the quarantine",
+        ),
+    ],
+)
+def test_what_the_disk_refused_in_words(unsaved: Unsaved, counted: str, plain: str) -> None:
+    assert (unsaved.describe(), unsaved.describe(counted=False)) == (counted, plain)
+    assert bool(unsaved) == bool(counted)
 
 
 def test_transition_time_moves_only_with_the_status() -> None:

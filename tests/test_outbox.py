@@ -267,6 +267,37 @@ def test_a_fault_kept_in_memory_is_written_once_the_disk_takes_it(
         outbox.close()
 
 
+def test_memory_listeners_hear_when_faults_start_and_stop_being_kept_in_memory_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    now = [0.0]
+    outbox = Outbox(tmp_path / "outbox", clock=lambda: now[0])
+    turns: list[int] = []
+    outbox.add_memory_listener(lambda: turns.append(outbox.counts().in_memory))
+    try:
+
+        def full(fd: int) -> None:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        outbox.enqueue(fault(1))  # written: nothing to hear
+        monkeypatch.setattr(os, "fsync", full)
+        outbox.enqueue(fault(2))
+        outbox.enqueue(fault(3))
+        assert turns == [1]  # once as it starts, not per fault
+        outbox.ack(["fault-2"])
+        assert turns == [1]  # fault-3 still only in memory
+        monkeypatch.undo()
+        now[0] = ATTACH_RETRY_SECONDS
+        outbox.pending()  # the disk takes fault-3
+        assert turns == [1, 0]
+        monkeypatch.setattr(os, "fsync", full)
+        outbox.enqueue(fault(4))
+        outbox.ack(["fault-4"])  # acknowledged before the disk took it
+        assert turns == [1, 0, 1, 0]
+    finally:
+        outbox.close()
+
+
 def test_listeners_hear_of_new_faults_only(box: Outbox) -> None:
     heard: list[int] = []
     box.add_listener(lambda: heard.append(len(box)))

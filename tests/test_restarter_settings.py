@@ -224,6 +224,11 @@ REFUSED = [
     ({"intake": {"listen": "[::1:8443"}}, "intake.listen: '[::1:8443': write an IPv6 host"),
     ({"metrics_addr": ":99999"}, "metrics_addr: ':99999': port '99999' is not a number"),
     ({"intake": {"tls_cert": "/c"}}, "intake.tls_key: must be set with tls_cert"),
+    ({"intake": {"max_connections_per_peer": -1}}, "intake.max_connections_per_peer: expected 0"),
+    (
+        {"intake": {"max_connections": 8, "max_connections_per_peer": 9}},
+        "intake.max_connections_per_peer: expected 0 (no cap) to max_connections (8)",
+    ),
     ({"intake": {"tls_key": "/k"}}, "intake.tls_cert: must be set with tls_key"),
     ({"node_grace_seconds": "nan"}, "node_grace_seconds: expected a number"),
     ({"node_grace_seconds": float("nan")}, "node_grace_seconds: expected a finite number"),

@@ -15,7 +15,8 @@ same id, and the restarter answers it as a duplicate.
 
 When the disk refuses a write, the fault is kept in memory (sent, but lost on restart), counted
 in `write_errors` and `in_memory`, and logged when writing starts to fail and when it works
-again. A directory that cannot be used at all when the outbox opens (a full or read-only disk)
+again; `add_memory_listener` hears when faults start to be kept in memory only and when none is
+any more. A directory that cannot be used at all when the outbox opens (a full or read-only disk)
 does not stop the agent: the outbox starts in memory and takes the directory, with what waits
 there, as soon as it can (tried every `ATTACH_RETRY_SECONDS`, when the sender asks for faults).
 Only a directory another process holds is an error. When `max_entries` are pending, the oldest
@@ -96,6 +97,8 @@ class Outbox:
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}  # by fault id, in send order
         self._listeners: list[Callable[[], None]] = []
+        self._memory_listeners: list[Callable[[], None]] = []
+        self._held = False  # some pending fault is kept in memory only
         self._counts = {"enqueued": 0, "dropped": 0, "corrupt": 0, "write_errors": 0}
         self._lock_file: TextIO | None = None  # None: the directory is not ours (yet)
         self._closed = False
@@ -128,6 +131,12 @@ class Outbox:
         with self._lock:
             self._listeners.append(listener)
 
+    def add_memory_listener(self, listener: Callable[[], None]) -> None:
+        """`listener()` runs when faults start to be kept in memory only (the disk refused them)
+        and when none is any more (written, acknowledged or dropped); on the caller's thread."""
+        with self._lock:
+            self._memory_listeners.append(listener)
+
     def enqueue(self, fault: Fault) -> bool:
         """Keep `fault` until it is acknowledged; False when its id is already pending."""
         with self._lock:
@@ -142,7 +151,7 @@ class Outbox:
             self._next_seq += 1
             self._entries[fault.id] = _Entry(seq, fault, self._write(seq, fault))
             self._counts["enqueued"] += 1
-            listeners = list(self._listeners)
+            listeners = list(self._listeners) + self._memory_turned()
         for listener in listeners:
             listener()
         return True
@@ -157,6 +166,9 @@ class Outbox:
                 elif any(e.path is None for e in self._entries.values()):
                     self._write_kept()
             entries = list(self._entries.values())
+            listeners = self._memory_turned()
+        for listener in listeners:
+            listener()
         return [e.fault for e in entries[:limit]]
 
     def ack(self, ids: Iterable[str]) -> int:
@@ -169,12 +181,22 @@ class Outbox:
                     continue
                 removed += 1
                 self._remove(entry)
+            listeners = self._memory_turned()
+        for listener in listeners:
+            listener()
         return removed
 
     def counts(self) -> OutboxCounts:
         with self._lock:
             in_memory = sum(1 for e in self._entries.values() if e.path is None)
             return OutboxCounts(pending=len(self._entries), in_memory=in_memory, **self._counts)
+
+    def _memory_turned(self) -> list[Callable[[], None]]:
+        """The memory listeners to call when whether faults are kept in memory only has turned
+        since the last look; else none (`_lock` held)."""
+        held = any(e.path is None for e in self._entries.values())
+        turned, self._held = held != self._held, held
+        return list(self._memory_listeners) if turned else []
 
     # --- disk --------------------------------------------------------------------------------
 

@@ -5,7 +5,8 @@ its lock, which costs a field assignment; this part writes the latest one (tempo
 rename, through `QuarantineStore.save`) and drops those that a newer one replaced before their
 turn. A write that fails (a full or read-only disk) keeps the quarantine in memory, is counted,
 and is tried again every `RETRY_SECONDS` and with every offer; it is logged when saving starts
-to fail and when it works again, not at every try. Stopping writes what is still waiting;
+to fail and when it works again, not at every try; `on_unsaved` hears each of those two turns.
+Stopping writes what is still waiting;
 `flush` writes it on the caller's thread (at start and at close).
 """
 
@@ -26,8 +27,14 @@ class QuarantineWriter:
 
     name = "quarantine-writer"
 
-    def __init__(self, store: QuarantineStore, wake: threading.Event) -> None:
+    def __init__(
+        self,
+        store: QuarantineStore,
+        wake: threading.Event,
+        on_unsaved: Callable[[], None] = lambda: None,
+    ) -> None:
         self.store = store
+        self._on_unsaved = on_unsaved  # `unsaved` turned (any thread: the writer's, a flush's)
         self._wake = wake
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()  # one write at a time, in the order offered
@@ -63,12 +70,14 @@ class QuarantineWriter:
                         error=str(exc),
                         retry_seconds=RETRY_SECONDS,
                     )
-                self.unsaved = True
+                    self.unsaved = True
+                    self._on_unsaved()
                 return
             self.writes += 1
             if self.unsaved:
                 self._log.info("quarantine saved again", failures=self.failures)
-            self.unsaved = False
+                self.unsaved = False
+                self._on_unsaved()
 
     def run(self, stop: threading.Event, ready: Callable[[], None]) -> None:
         ready()

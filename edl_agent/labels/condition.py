@@ -19,6 +19,12 @@
 - a vendor whose monitor fails (its tool broken) while no device is unhealthy makes the status
   `Unknown` (reason `<TOOL>Failed`): the devices stay advertised as they were, but nobody can say
   whether they are healthy. The message names the failing monitors in every status.
+- a state directory that refuses writes (a full or read-only disk) while the agent holds faults
+  for the restarter or the quarantine in memory only is said at the end of the message, in every
+  status (`state directory refuses writes: ... kept in memory only, lost if the agent restarts`);
+  it is no accelerator fault and changes neither status nor reason. It names what is held, not
+  how much (the counts are on /readyz and in the metrics), so the condition is not rewritten for
+  every fault; it goes when the disk takes the writes again.
 - `lastHeartbeatTime` is the time of every write (changes and periodic resyncs);
   `lastTransitionTime` changes only when `status` does.
 """
@@ -27,7 +33,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
@@ -75,6 +81,29 @@ class DeviceFault:
 
 
 @dataclass(frozen=True)
+class Unsaved:
+    """What the agent's state directory does not hold now, because it refused the writes."""
+
+    faults: int = 0  # pending faults for the restarter kept in memory only
+    quarantine: bool = False  # the quarantine kept in memory only
+
+    def __bool__(self) -> bool:
+        return bool(self.faults or self.quarantine)
+
+    def describe(self, *, counted: bool = True) -> str:
+        """`3 fault(s) for the restarter and the quarantine`; without the count, `faults for the
+        restarter and the quarantine`; "" when nothing is held."""
+        held = []
+        if self.faults:
+            held.append(f"{self.faults} fault(s)" if counted else "faults")
+        if self.quarantine:
+            held.append("the quarantine")
+        if self.faults:
+            held[0] += " for the restarter"
+        return " and ".join(held)
+
+
+@dataclass(frozen=True)
 class AcceleratorHealth:
     """What the condition says; `faults` sorted worst first."""
 
@@ -96,9 +125,26 @@ def accelerator_health(
     inventory: Inventory,
     unhealthy: Mapping[str, Condition],
     monitors: Mapping[Vendor, Condition] | None = None,
+    unsaved: Unsaved | None = None,
 ) -> AcceleratorHealth:
-    """The condition for `unhealthy` (device id → its worst condition) on this inventory, and
-    the vendors whose health monitor fails (`monitors`)."""
+    """The condition for `unhealthy` (device id → its worst condition) on this inventory, the
+    vendors whose health monitor fails (`monitors`) and what the disk refused (`unsaved`)."""
+    health = _health(inventory=inventory, unhealthy=unhealthy, monitors=monitors)
+    if not unsaved:
+        return health
+    note = (
+        f"; state directory refuses writes: {unsaved.describe(counted=False)} kept in memory "
+        "only, lost if the agent restarts"
+    )
+    return replace(health, message=_cut(health.message, keep=note))
+
+
+def _health(
+    *,
+    inventory: Inventory,
+    unhealthy: Mapping[str, Condition],
+    monitors: Mapping[Vendor, Condition] | None,
+) -> AcceleratorHealth:
     devices = {d.id: d for d in inventory.devices}
     physical = sum(d.parent is None for d in inventory.devices)
     ordered = sorted(
@@ -200,8 +246,10 @@ def _has_digit(word: str) -> bool:
     return any(c.isdigit() for c in word)
 
 
-def _cut(message: str) -> str:
-    return message if len(message) <= MAX_MESSAGE else message[: MAX_MESSAGE - 3] + "..."
+def _cut(message: str, *, keep: str = "") -> str:
+    """`message` and `keep` within MAX_MESSAGE characters, cutting `message`, never `keep`."""
+    room = MAX_MESSAGE - len(keep)
+    return (message if len(message) <= room else message[: room - 3] + "...") + keep
 
 
 def node_condition(

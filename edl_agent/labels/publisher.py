@@ -3,10 +3,11 @@
 API calls can block for seconds; they must not hold up kubelet's device plugin or the health
 stream, so this loop runs on its own thread (watched by the supervisor). It recomputes when an
 input changes and only then: the device state (inventory, health), what the health hub shows
-(reasons, failing monitors: `poke_event`, set through the hub's subscription), the Node as the
-watcher sees it (cordon and release annotations), an event to announce. It writes only what
-changed, and rewrites everything every `node.resync_seconds`. A failed write is logged, counted
-and retried with backoff.
+(reasons, failing monitors: `poke_event`, set through the hub's subscription), whether the state
+directory refuses writes (`poke_event` again, set by the agent when that starts or ends), the
+Node as the watcher sees it (cordon and release annotations), an event to announce. It writes
+only what changed, and rewrites everything every `node.resync_seconds`. A failed write is
+logged, counted and retried with backoff.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from edl_agent.health.state import DeviceState
 from edl_agent.health.tracker import Condition
 from edl_agent.kube import ApiError, NodeApi
 from edl_agent.labels.compute import node_labels
-from edl_agent.labels.condition import accelerator_health
+from edl_agent.labels.condition import Unsaved, accelerator_health
 from edl_agent.labels.cordon import Cordon
 from edl_agent.labels.events import EventSpec
 from edl_agent.labels.node import NodeUpdater
@@ -60,6 +61,7 @@ class NodePublisher:
         on_cordon: Callable[[Cordon], None],
         on_release: Callable[[Cordon], None] = lambda _: None,
         monitors: Callable[[], Mapping[Vendor, Condition]] = dict,
+        unsaved: Callable[[], Unsaved] = Unsaved,
     ) -> None:
         self._settings = settings
         self._state = state
@@ -70,6 +72,7 @@ class NodePublisher:
         self._announced: list[EventSpec] = []
         self._announce_lock = threading.Lock()
         self._monitors = monitors
+        self._unsaved = unsaved
         self.poke_event: threading.Event = _Poke(state)
         node = state.snapshot().inventory.node
         self.updater = NodeUpdater(api=api, node_name=node, settings=settings.node)
@@ -172,7 +175,10 @@ class NodePublisher:
             cordoned=cordon.device_ids,
         )
         health = accelerator_health(
-            inventory=inventory, unhealthy=unhealthy, monitors=self._monitors()
+            inventory=inventory,
+            unhealthy=unhealthy,
+            monitors=self._monitors(),
+            unsaved=self._unsaved(),
         )
         with self._announce_lock:
             announced, self._announced = self._announced, []

@@ -40,6 +40,8 @@ class Refusal(enum.StrEnum):
     POD_ELSEWHERE = "pod_elsewhere"  # a named pod runs on another node (or is another pod)
     POD_UNKNOWN = "pod_unknown"  # a named pod the pod cache did not show, even after its lag
     EXIT_NOT_SEEN = "exit_not_seen"  # a container exit the pod's status does not show
+    # A connection past `intake.max_connections_per_peer` (or `max_connections`), closed unread.
+    TOO_MANY_CONNECTIONS = "too_many_connections"
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,9 @@ from edl_agent.restarter.auth import (
 )
 from edl_agent.restarter.evidence import Check, Outcome, check_exit, check_pod
 from edl_agent.restarter.metrics import IntakeCounts
+from edl_agent.restarter.peer_gate import PeerGate, abstract_name
 from edl_agent.restarter.server_tls import CertificateError, ReloadingCertificate
+from edl_agent.runtime import heap
 from edl_agent.runtime.bounded import BoundedMap, BoundedSet
 
 log = structlog.get_logger(__name__)
@@ -144,6 +146,11 @@ class FaultIntake(fault_pb2_grpc.FaultIntakeServicer):
     def counts(self) -> IntakeCounts:
         with self._lock:
             return dataclasses.replace(self._counts, refused=dict(self._refused))
+
+    def refuse_connection(self) -> None:
+        """Count a connection the gate in front closed unread (peer_gate.py: logged there)."""
+        with self._lock:
+            self._refused[Refusal.TOO_MANY_CONNECTIONS.value] += 1
 
     def report_bytes(self, raw: bytes, context: Any) -> fault_pb2.ReportResponse:
         """`Report` for a request still encoded: one that does not decode (a string field with
@@ -367,7 +374,8 @@ def _uid(pod: Mapping[str, Any] | None) -> str:
 
 class IntakeServer:
     """Serves a FaultIntake on `listen` (`host:port`, `:port` for every address), with TLS when
-    a certificate and key are given."""
+    a certificate and key are given, behind a gate that caps the connections from one address
+    (peer_gate.py; none when `max_connections_per_peer` is 0)."""
 
     def __init__(
         self,
@@ -378,8 +386,10 @@ class IntakeServer:
         tls_key: Path | None = None,
         workers: int = 8,
         max_connections: int = 8192,
+        max_connections_per_peer: int = 16,
         handshake_timeout: float = 10.0,
         idle_timeout: float = 300.0,
+        heap_trim_seconds: float = heap.DEFAULT_INTERVAL_SECONDS,
     ) -> None:
         if (tls_cert is None) != (tls_key is None):
             msg = "the intake's TLS needs both a certificate and a key"
@@ -388,6 +398,9 @@ class IntakeServer:
         self.listen = f"[::]{listen}" if listen.startswith(":") else listen
         self._tls = (tls_cert, tls_key) if tls_cert is not None and tls_key is not None else None
         self._workers = workers
+        self._per_peer = max_connections_per_peer  # 0: no cap, no gate (peer_gate.py)
+        self._max_connections = max_connections
+        self.gate: PeerGate | None = None
         # grpc core closes a connection that has not finished its handshake in time (one that
         # never starts TLS held its memory for good), refuses those beyond the cap at accept,
         # and sends an idle one GOAWAY.
@@ -397,6 +410,8 @@ class IntakeServer:
             ("grpc.server_handshake_timeout_ms", int(handshake_timeout * 1000)),
             ("grpc.max_connection_idle_ms", int(idle_timeout * 1000)),
         ]
+        # What grpc core freed after a storm of connections goes back to the system (heap.py).
+        self.trimmer = heap.HeapTrimmer(heap_trim_seconds)
         self.certificate: ReloadingCertificate | None = None
         self._server: Any = None
         self._executor: futures.ThreadPoolExecutor | None = None
@@ -415,15 +430,28 @@ class IntakeServer:
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE, {"Report": report}),)
         )
+        # Behind the gate, grpc listens where only the gate reaches.
+        hidden = abstract_name() if self._per_peer else None
+        address = f"unix-abstract:{hidden}" if hidden else self.listen
+        gate = None
         try:
             if self._tls is None:
                 if not is_loopback(self.listen):
                     log.warning("fault intake without TLS: tokens cross the network in clear")
-                port = server.add_insecure_port(self.listen)
+                port = server.add_insecure_port(address)
             else:
                 self.certificate = ReloadingCertificate(*self._tls)
-                port = server.add_secure_port(self.listen, self.certificate.credentials())
-        except (OSError, RuntimeError, CertificateError) as exc:
+                port = server.add_secure_port(address, self.certificate.credentials())
+            if hidden and port:
+                gate = PeerGate(
+                    listen=self.listen,
+                    target=hidden,
+                    per_peer=self._per_peer,
+                    total=self._max_connections,
+                    on_refused=self.intake.refuse_connection,
+                )
+                port = gate.port
+        except (OSError, RuntimeError, CertificateError, ValueError) as exc:
             executor.shutdown(wait=False)
             msg = f"cannot serve the fault intake on {self.listen}: {exc}"
             raise IntakeError(msg) from None
@@ -432,7 +460,10 @@ class IntakeServer:
             msg = f"cannot serve the fault intake on {self.listen}"
             raise IntakeError(msg)
         server.start()
-        self._server, self._executor, self.port = server, executor, port
+        if gate is not None:
+            gate.start()
+        self.trimmer.start()
+        self._server, self._executor, self.port, self.gate = server, executor, port, gate
         log.info("fault intake serving", listen=self.listen, port=port, tls=self._tls is not None)
 
     def stop(self, grace: float = 1.0) -> None:
@@ -440,10 +471,14 @@ class IntakeServer:
         threads even, it stops once."""
         server, self._server = self._server, None
         executor, self._executor = self._executor, None
+        gate, self.gate = self.gate, None
         if server is not None:
             server.stop(grace).wait()
+        if gate is not None:
+            gate.stop()  # after grpc's grace: the calls in hand go on through it
         if executor is not None:
             executor.shutdown(wait=True, cancel_futures=True)
+        self.trimmer.stop()
 
 
 def _abort(context: Any, code: grpc.StatusCode, details: str) -> NoReturn:

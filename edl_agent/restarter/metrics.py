@@ -6,7 +6,8 @@ edl_restarter_replacement_errors_total            replacements the API refused
 edl_restarter_node_waits_total                    pods whose replacement waits for their node
 edl_restarter_api_writes_total{what}              writes made: status, create, disruption, delete
 edl_restarter_intake_faults_total{outcome}        reported faults: accepted, duplicate, deferred
-edl_restarter_intake_refusals_total{reason}       reports refused (token, account, node)
+edl_restarter_intake_refusals_total{reason}       reports refused (token, account, node),
+                                                  connections refused (too many)
 edl_restarter_queue_depth                         faults waiting for or in a decision
 edl_restarter_leader                              1 while this replica leads
 edl_restarter_storm_paused                        1 while the storm guard holds restarts

@@ -95,6 +95,7 @@ class Restarter:
                 tls_cert=Path(intake.tls_cert) if intake.tls_cert else None,
                 tls_key=Path(intake.tls_key) if intake.tls_key else None,
                 max_connections=intake.max_connections,
+                max_connections_per_peer=intake.max_connections_per_peer,
                 handshake_timeout=intake.handshake_timeout_seconds,
                 idle_timeout=intake.idle_timeout_seconds,
             )

@@ -93,6 +93,13 @@ class IntakeSettings:
         "Connections the intake holds at most (each agent keeps one); more are refused at once. "
         "Each costs about 20 KiB: the default stays well inside the restarter's 512 MiB.",
     )
+    max_connections_per_peer: int = setting(
+        16,
+        "Connections the intake holds at most from one address (an agent keeps one; its pod's "
+        "address, or its node's where traffic is SNATed); more are closed at once, so that one "
+        "client cannot take `max_connections` from every agent. 0: no cap, and no relay in front "
+        "of grpc (the cap is counted by a relay thread that passes the TLS bytes through).",
+    )
     handshake_timeout_seconds: float = setting(
         10.0,
         "A connection that has not finished its TLS (or HTTP/2) handshake by then is closed.",
@@ -123,6 +130,11 @@ class IntakeSettings:
             raise ValueError("tls_cert: must be set with tls_key (give both or neither)")
         if not 1 <= self.max_connections <= 1_000_000:
             raise ValueError("max_connections: expected 1 to 1000000")
+        if not 0 <= self.max_connections_per_peer <= self.max_connections:
+            raise ValueError(
+                "max_connections_per_peer: expected 0 (no cap) to max_connections "
+                f"({self.max_connections})"
+            )
         for key in ("handshake_timeout_seconds", "idle_timeout_seconds"):
             if not 0 < getattr(self, key) <= 86400:
                 raise ValueError(f"{key}: must be positive and at most 86400")
