@@ -17,10 +17,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any
 
 import structlog
 
+from edl_agent.dra.api import DraApi
 from edl_agent.dra.checkpoint import PreparedClaim, PreparedDevice
 from edl_agent.kube import CONFLICT, NOT_FOUND
 from edl_agent.kube_errors import ApiError
@@ -98,22 +99,6 @@ def field_manager(driver: str) -> str:
     return f"edl-agent/{driver}"[:128]
 
 
-class ClaimStatusApi(Protocol):
-    """What the writer needs of the API server (dra/api.py's KubeDraApi has it)."""
-
-    def read_resource_claim(self, namespace: str, name: str) -> dict[str, Any]: ...
-
-    def apply_claim_device_status(
-        self,
-        namespace: str,
-        name: str,
-        uid: str,
-        entries: Sequence[Mapping[str, Any]],
-        *,
-        manager: str,
-    ) -> dict[str, Any]: ...
-
-
 class ClaimStatusWriter:
     """A supervised part: writes the prepared claims' device conditions whenever a claim is
     prepared or unprepared (`poke`) or a device's health changes (`wake` set by the health hub),
@@ -124,7 +109,7 @@ class ClaimStatusWriter:
     def __init__(
         self,
         *,
-        api: ClaimStatusApi,
+        api: DraApi,
         claims: Callable[[], Sequence[PreparedClaim]],
         health: Callable[[str], DeviceHealth],
         wake: threading.Event,
