@@ -62,21 +62,30 @@ def device_classes(k8s_managed: KwokCluster) -> Iterator[None]:
         custom.delete_cluster_custom_object(GROUP, VERSION, "deviceclasses", name)
 
 
+def dra_agent_on(
+    plane: testcluster.ControlPlane, node: testnode.Node, profile: str, directory: Path, vendor: str
+) -> NodeAgent:
+    """An agent on `node` (simulated `profile`) serving `vendor` through DRA, with the admin
+    kubeconfig of `plane`."""
+    return node_agent(
+        node,
+        profile,
+        directory,
+        f"--kubeconfig={plane.kubeconfig}",
+        f"--set=dra.plugins_registry_dir={node.paths.plugins_registry}",
+        f"--set=dra.cdi_dir={directory / 'cdi'}",
+        f"--set={vendor}.serve=dra",
+    )
+
+
 @pytest.fixture
 def dra_agent(
     k8s_managed_plane: testcluster.ControlPlane,
     managed_kubelet_nodes: Callable[..., testnode.Node],
     tmp_path: Path,
 ) -> Iterator[NodeAgent]:
-    node = managed_kubelet_nodes()
-    agent = node_agent(
-        node,
-        "dgx-h100",
-        tmp_path / "agent",
-        f"--kubeconfig={k8s_managed_plane.kubeconfig}",
-        f"--set=dra.plugins_registry_dir={node.paths.plugins_registry}",
-        f"--set=dra.cdi_dir={tmp_path / 'agent' / 'cdi'}",
-        "--set=nvidia.serve=dra",
+    agent = dra_agent_on(
+        k8s_managed_plane, managed_kubelet_nodes(), "dgx-h100", tmp_path / "agent", "nvidia"
     )
     yield agent
     if agent.process is not None and agent.process.alive():
