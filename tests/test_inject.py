@@ -254,6 +254,20 @@ def test_the_cli_injects_a_reset_and_a_reboot(
     assert "--device N is required" in capsys.readouterr().err
 
 
+def test_the_cli_names_a_gpu_by_its_uuid(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As kubelet and a pod's allocatedResourcesStatus name it."""
+    root = simulate("dgx-h100", tmp_path)
+    [gpu5] = [g.id for g in nvidia.discover(HostRoot.at(root)).devices if g.index == 5]
+    assert cli.main(["simulate", "inject", str(root), "--device", gpu5, "--xid", "79"]) == 0
+    assert fault_lines(root)[-1].startswith("xid gpu=5 code=79")
+    assert cli.main(["simulate", "inject", str(root), "--device", "GPU-nope", "--xid", "79"]) == 2
+    assert "no NVIDIA GPU has the uuid 'GPU-nope'" in capsys.readouterr().err
+    assert cli.main(["simulate", "inject", str(root), "--device", "gpu5", "--xid", "79"]) == 2
+    assert "neither a device index nor a GPU uuid" in capsys.readouterr().err
+
+
 def test_the_simulated_npu_smi_resets_a_chip(tmp_path: Path) -> None:
     root = simulate("ascend-910bx8", tmp_path)
     ascend_tree.set_npu_health(root, 3, "Critical", fault_codes=(0x8C03A000,))

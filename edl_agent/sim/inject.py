@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from edl_agent.devices.hostroot import HostRoot
@@ -192,6 +192,7 @@ class _SimGpu:
     index: int
     minor: int
     mig_devices: int
+    uuid: str = ""
 
 
 def _tree(root: Path) -> HostRoot:
@@ -228,14 +229,29 @@ def _nvidia_gpus(root: Path) -> dict[int, _SimGpu]:
         try:
             if kind == "gpu":
                 index = int(fields["index"])
-                gpus[index] = _SimGpu(index, int(fields.get("minor", index)), 0)
+                gpus[index] = _SimGpu(
+                    index, int(fields.get("minor", index)), 0, fields.get("uuid", "")
+                )
             elif kind == "mig":
                 parent = gpus[int(fields["gpu"])]
-                gpus[parent.index] = _SimGpu(parent.index, parent.minor, parent.mig_devices + 1)
+                gpus[parent.index] = replace(parent, mig_devices=parent.mig_devices + 1)
         except (KeyError, ValueError):
             msg = f"{root}: {nvidia_tree.DATA} is malformed: {line.strip()[:80]!r}"
             raise ValueError(msg) from None
     return gpus
+
+
+def gpu_index(root: Path, device: str) -> int:
+    """The index of the GPU `device` names: its index, or its uuid (`GPU-...`, as kubelet and
+    the pod's allocatedResourcesStatus name it)."""
+    if device.isdigit():
+        return int(device)
+    gpus = _nvidia_gpus(root)
+    found = [gpu.index for gpu in gpus.values() if gpu.uuid == device]
+    if not found:
+        msg = f"{root}: no NVIDIA GPU has the uuid {device!r} (--device takes an index or a uuid)"
+        raise ValueError(msg)
+    return found[0]
 
 
 def _gpu(root: Path, index: int) -> _SimGpu:

@@ -35,7 +35,9 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument("directory", metavar="DIR", type=Path, help="the simulated node's root")
     parser.add_argument(
-        "--device", type=int, metavar="N", help="device index (every fault but --reboot)"
+        "--device",
+        metavar="N",
+        help="device index (every fault but --reboot); a GPU also by its uuid (GPU-...)",
     )
     parser.add_argument(
         "--vendor",
@@ -88,7 +90,7 @@ def _inject(args: argparse.Namespace) -> int:
     if args.device is None:
         msg = "--device N is required (every fault but --reboot names a device)"
         raise ValueError(msg)
-    index: int = args.device
+    index = _device_index(root, args.device)
     if args.reset:
         vendor = Vendor(args.vendor) if args.vendor else _only_vendor(root)
         done = inject.reset_device(root, vendor, index)
@@ -117,6 +119,17 @@ def _inject(args: argparse.Namespace) -> int:
         done = f"{vendor.value} device {index} reports {args.health}"
     print(f"injected: {done} under {root}")
     return 0
+
+
+def _device_index(root: Path, device: str) -> int:
+    from edl_agent.sim import inject
+
+    if device.isdigit():
+        return int(device)
+    if device.startswith("GPU-"):
+        return inject.gpu_index(root, device)
+    msg = f"--device: {device!r} is neither a device index nor a GPU uuid (GPU-...)"
+    raise ValueError(msg)
 
 
 def _set_health(root: Path, vendor: Vendor, index: int, code: str) -> None:
