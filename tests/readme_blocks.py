@@ -9,6 +9,9 @@ its fence marks it:
                             can (tests/cluster/test_readme_cluster_commands.py)
     <!-- setup -->          sets up this machine (a virtual environment, the test suite itself):
                             checked, not run
+    <!-- test-node -->      a test node on this machine (scripts/test-node; root): checked here,
+                            and the blocks run in order as one script in the kubelet tier
+                            (tests/cluster/test_readme_test_node.py)
     <!-- serves: TEXT -->   one command that runs until stopped: started, and once TEXT is in its
                             output stopped with Ctrl-C (SIGINT), after which it must exit 0
     <!-- expect: TEXT -->   run; it must exit 0 and print TEXT
@@ -23,9 +26,9 @@ from pathlib import Path
 README = Path(__file__).resolve().parents[1] / "README.md"
 COMMANDS = frozenset({"sh", "console"})
 NOT_COMMANDS = frozenset({"yaml", "json", "text"})
-MARKS = ("cluster", "setup", "serves", "expect")
+MARKS = ("cluster", "setup", "test-node", "serves", "expect")
 _FENCE = re.compile(r"^(?P<indent>\s*)```(?P<info>.*)$")
-_MARK = re.compile(r"^<!-- (?P<kind>[a-z]+)(?:: (?P<text>.+?))? -->$")
+_MARK = re.compile(r"^<!-- (?P<kind>[a-z-]+)(?:: (?P<text>.+?))? -->$")
 
 
 @dataclass(frozen=True)

@@ -96,7 +96,7 @@ def test_only_marked_blocks_are_transcripts() -> None:
 def test_there_are_blocks_of_each_kind() -> None:
     """The parser finds what the README holds (a parser that found nothing would pass the rest)."""
     kinds = {b.mark for b in blocks() if b.is_commands}
-    assert kinds >= {None, "cluster", "setup", "serves", "expect"}
+    assert kinds >= {None, "cluster", "setup", "test-node", "serves", "expect"}
 
 
 @pytest.mark.parametrize("block", command_blocks(None) + command_blocks("expect"), ids=ids)
@@ -162,7 +162,11 @@ def test_a_serving_command_answers_and_stops_on_ctrl_c(
             process.wait()
 
 
-@pytest.mark.parametrize("block", command_blocks("cluster") + command_blocks("setup"), ids=ids)
+@pytest.mark.parametrize(
+    "block",
+    command_blocks("cluster") + command_blocks("setup") + command_blocks("test-node"),
+    ids=ids,
+)
 def test_a_block_not_run_here_parses_and_names_paths_that_exist(block: Block) -> None:
     """What cannot run here is at least valid shell, and names files this repository has."""
     parsed = subprocess.run(
