@@ -19,9 +19,15 @@ its fence marks it:
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import signal
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 COMMANDS = frozenset({"sh", "console"})
@@ -100,3 +106,20 @@ def repository_paths(block: Block) -> list[str]:
     """The paths of this repository a block names (`deploy/...`, `scripts/...`)."""
     words = re.findall(r"(?<![\w/.-])((?:deploy|scripts|tests|bench)/[\w./-]*[\w])", block.body)
     return sorted(set(words))
+
+
+def end_group(shell: subprocess.Popen[str]) -> list[str]:
+    """What still runs in the block's process group (its shell's pid, start_new_session) once
+    the shell has ended, killed; a shell that has not ended is killed with it."""
+    if shell.poll() is None:
+        os.killpg(shell.pid, signal.SIGKILL)
+        shell.wait()
+    left = []
+    for process in psutil.process_iter(["pid", "name"]):
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            if os.getpgid(process.pid) == shell.pid:
+                left.append(f"{process.pid} {process.info['name']}")
+    if left:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(shell.pid, signal.SIGKILL)
+    return left

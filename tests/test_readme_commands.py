@@ -6,7 +6,6 @@ joins the README unnoticed."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shlex
 import shutil
@@ -17,7 +16,6 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-import psutil
 import pytest
 
 from tests.readme_blocks import (
@@ -27,6 +25,7 @@ from tests.readme_blocks import (
     Block,
     blocks,
     command_blocks,
+    end_group,
     repository_paths,
 )
 from tests.waiting import wait_for
@@ -117,7 +116,7 @@ def test_a_command_block_runs(block: Block, scratch: tuple[Path, dict[str, str]]
     try:
         stdout, stderr = shell.communicate(timeout=BLOCK_TIMEOUT)
     finally:
-        left = _end_group(shell)
+        left = end_group(shell)
     output = stdout + stderr
     assert shell.returncode == 0, f"{block.name} exited {shell.returncode}:\n{output[-3000:]}"
     if block.mark == "expect":
@@ -175,20 +174,3 @@ def test_a_block_not_run_here_parses_and_names_paths_that_exist(block: Block) ->
     assert parsed.returncode == 0, f"{block.name}: {parsed.stderr}"
     missing = [p for p in repository_paths(block) if not (REPO / p).exists()]
     assert not missing, f"{block.name} names paths the repository lacks: {missing}"
-
-
-def _end_group(shell: subprocess.Popen[str]) -> list[str]:
-    """What still runs in the block's process group (its shell's pid, start_new_session) once
-    the shell has ended, killed; a shell that has not ended is killed with it."""
-    if shell.poll() is None:
-        os.killpg(shell.pid, signal.SIGKILL)
-        shell.wait()
-    left = []
-    for process in psutil.process_iter(["pid", "name"]):
-        with contextlib.suppress(psutil.Error, ProcessLookupError):
-            if os.getpgid(process.pid) == shell.pid:
-                left.append(f"{process.pid} {process.info['name']}")
-    if left:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(shell.pid, signal.SIGKILL)
-    return left

@@ -7,20 +7,17 @@ metrics port (any free one: another agent may hold 9400 on a shared machine)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-import psutil
 import pytest
 import testnode
 
-from tests.readme_blocks import README, command_blocks
+from tests.readme_blocks import README, command_blocks, end_group
 
 pytestmark = [pytest.mark.kubelet, pytest.mark.timeout(400)]
 
@@ -66,24 +63,14 @@ def test_the_quick_start_on_a_test_node_runs_as_written() -> None:
     try:
         output, _ = shell.communicate(timeout=300)
     finally:
-        _end(shell)
+        left_in_group = end_group(shell)
         left = testnode.down(directory) if (directory / "kubeconfig").exists() else []
         agent_log = directory / "agent.log"
         log_tail = agent_log.read_text(errors="replace")[-3000:] if agent_log.exists() else ""
         shutil.rmtree(directory, ignore_errors=True)
     assert shell.returncode == 0, f"the blocks failed:\n{output}\nagent log:\n{log_tail}"
     assert not left, f"processes the blocks' `down` did not stop: {left}"
+    assert not left_in_group, f"processes the blocks started and left running: {left_in_group}"
     print(output)
     assert "AcceleratorUnhealthy" in output, output
     assert "XID79" in output or "XID 79" in output, output
-
-
-def _end(shell: subprocess.Popen[str]) -> None:
-    """The script's process group, ended: whatever it left running (a failed script's agent)."""
-    if shell.poll() is None:
-        os.killpg(shell.pid, signal.SIGKILL)
-        shell.wait()
-    for process in psutil.process_iter(["pid"]):
-        with contextlib.suppress(psutil.Error, ProcessLookupError):
-            if os.getpgid(process.pid) == shell.pid:
-                os.kill(process.pid, signal.SIGKILL)
