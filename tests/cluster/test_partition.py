@@ -44,7 +44,6 @@ from test_e2e import processes
 from test_restarter import GROUP, PLURAL, VERSION
 from test_training import managed_scheduler, policy_crd, start_restarter_and_agents
 
-from edl_agent.restarter.settings import ControllerSettings
 from edl_agent.restarter.watchers import OUT_OF_SERVICE_TAINT
 
 __all__ = ["managed_scheduler", "policy_crd", "processes"]
@@ -244,17 +243,6 @@ class Scene:
             alive=self.restarter,
         )
 
-    def past_a_second_look(self) -> None:
-        """For a pod the restarter has deleted already (gracefully: a StatefulSet's), its
-        restart is done and no log line marks a later look. Observe instead for as long as a
-        recorded restart takes to be carried out again (`resume_after_seconds` and a
-        `check_every_seconds` round, the defaults): the sampler would see a second copy."""
-        defaults = ControllerSettings()
-        until = self.marks["WaitingForNode"] + (
-            defaults.resume_after_seconds + 2 * defaults.check_every_seconds
-        )
-        wait_for("a second look's span", time.monotonic, lambda now: now >= until, STEP)
-
     def _carried_out_again(self) -> int:
         count = 0
         for line in self.restarter.log.read_text(errors="replace").splitlines():
@@ -444,10 +432,16 @@ def test_a_statefulset_pod_is_never_run_twice(scene: Scene) -> None:
         scene.cut_off_a()
         scene.wait_not_ready()
         scene.waiting_for_node(old.metadata.name)
-        scene.past_a_second_look()
-        [pod] = scene.pods()
+        # The restart is done once the pod is deleted gracefully: the restarter touches it no
+        # more, and the StatefulSet makes no second -0 while this one is Terminating.
+        [pod] = wait_for(
+            f"{old.metadata.name} deleted gracefully (Terminating)",
+            scene.pods,
+            lambda pods: len(pods) == 1 and pods[0].metadata.deletion_timestamp is not None,
+            timeout=STEP,
+            alive=scene.restarter,
+        )
         assert pod.metadata.uid == old.metadata.uid, "no second -0 while the first is there"
-        assert pod.metadata.deletion_timestamp is not None, "deleted gracefully: Terminating"
         assert len(copies.sample()) == 1, "the old process still runs on the cut-off node"
 
         scene.a_is_gone(copies)
