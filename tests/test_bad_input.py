@@ -575,8 +575,8 @@ AGENT_CASES = [
         "x",
         "--xid",
         "79",
-        id="argparse-inject",
-        message="argument --device: invalid int value: 'x'",
+        id="inject-device",
+        message="--device: 'x' is neither a device index nor a GPU uuid (GPU-...)",
     ),
 ]
 
