@@ -116,8 +116,9 @@ class Agent:
         self.supervisor = Supervisor(self.stop)
         directory = settings.faults.state_dir
         store = QuarantineStore(Path(directory) / "health")
-        writer = QuarantineWriter(store, waker(), on_unsaved=self._unsaved_turned)
-        self.writer = writer if directory else None
+        self.writer = (
+            QuarantineWriter(store, waker(), on_unsaved=self._unsaved_turned) if directory else None
+        )
         boot_id = read_boot_id(self.root.read_optional)
         self.hub = HealthHub(self.state, health, boot_id=boot_id, writer=self.writer)
         if self.writer is not None:  # what an earlier run quarantined, before kubelet is served

@@ -241,15 +241,12 @@ def _nvidia_gpus(root: Path) -> dict[int, _SimGpu]:
     return gpus
 
 
-def gpu_index(root: Path, device: str) -> int:
-    """The index of the GPU `device` names: its index, or its uuid (`GPU-...`, as kubelet and
-    the pod's allocatedResourcesStatus name it)."""
-    if device.isdigit():
-        return int(device)
-    gpus = _nvidia_gpus(root)
-    found = [gpu.index for gpu in gpus.values() if gpu.uuid == device]
+def gpu_index(root: Path, uuid: str) -> int:
+    """The index of the GPU with `uuid` (`GPU-...`, as kubelet and the pod's
+    allocatedResourcesStatus name it)."""
+    found = [gpu.index for gpu in _nvidia_gpus(root).values() if gpu.uuid == uuid]
     if not found:
-        msg = f"{root}: no NVIDIA GPU has the uuid {device!r} (--device takes an index or a uuid)"
+        msg = f"{root}: no NVIDIA GPU has the uuid {uuid!r} (--device takes an index or a uuid)"
         raise ValueError(msg)
     return found[0]
 
