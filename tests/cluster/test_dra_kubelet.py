@@ -115,17 +115,17 @@ def slice_devices(slices: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {d["name"]: d for s in slices for d in s["spec"].get("devices", [])}
 
 
-def claim_ready(claim: dict[str, Any], *, detail: bool = False) -> dict[str, Any]:
-    """Device name → its Ready status in the claim's status.devices (with `detail`: status,
-    reason and message)."""
-    found: dict[str, Any] = {}
+def claim_ready(claim: dict[str, Any]) -> dict[str, tuple[str, str, str]]:
+    """Device name → (status, reason, message) of its Ready condition in the claim's
+    status.devices."""
+    found = {}
     for entry in (claim.get("status") or {}).get("devices") or []:
         for condition in entry.get("conditions") or []:
             if condition["type"] == "Ready":
                 found[entry["device"]] = (
-                    (condition["status"], condition["reason"], condition.get("message", ""))
-                    if detail
-                    else condition["status"]
+                    condition["status"],
+                    condition["reason"],
+                    condition.get("message", ""),
                 )
     return found
 
@@ -332,14 +332,18 @@ def test_an_xid_taints_the_device_shows_in_the_pod_and_keeps_new_claims_off_unti
     held = allocated(read_claim(custom, ns, "held"))
     free = sorted(set(devices) - set(held))
     index = {name: int(d["attributes"]["index"]["int"]) for name, d in devices.items()}
+
     # The claim tells its devices' health too (status.devices, written by the agent).
-    wait_for(
-        "the claim's devices Ready",
-        lambda: claim_ready(read_claim(custom, ns, "held")),
-        lambda ready: ready == dict.fromkeys(held, "True"),
-        timeout=STEP,
-        alive=agent.process,
-    )
+    def wait_claim_ready(what: str) -> None:
+        wait_for(
+            what,
+            lambda: claim_ready(read_claim(custom, ns, "held")),
+            lambda ready: {d: c[0] for d, c in ready.items()} == dict.fromkeys(held, "True"),
+            timeout=STEP,
+            alive=agent.process,
+        )
+
+    wait_claim_ready("the claim's devices Ready")
 
     inject.inject_xid(agent.tree, index[held[0]], 48)  # on a GPU the pod holds
     inject.inject_xid(agent.tree, index[free[0]], 48)  # and on a free one
@@ -363,7 +367,7 @@ def test_an_xid_taints_the_device_shows_in_the_pod_and_keeps_new_claims_off_unti
 
     ready = wait_for(
         "the claim's status to show the GPU not Ready",
-        lambda: claim_ready(read_claim(custom, ns, "held"), detail=True),
+        lambda: claim_ready(read_claim(custom, ns, "held")),
         lambda found: found[held[0]][0] == "False",
         timeout=STEP,
         alive=agent.process,
@@ -390,13 +394,7 @@ def test_an_xid_taints_the_device_shows_in_the_pod_and_keeps_new_claims_off_unti
     assert allocated(read_claim(custom, ns, "six")) == free
     untainted = slice_devices(node_slices(custom, node.name, GPU_DRIVER))
     assert not untainted[free[0]].get("taints")
-    wait_for(
-        "the claim's devices Ready again",
-        lambda: claim_ready(read_claim(custom, ns, "held")),
-        lambda ready: ready == dict.fromkeys(held, "True"),
-        timeout=STEP,
-        alive=agent.process,
-    )
+    wait_claim_ready("the claim's devices Ready again")
 
 
 def test_an_npu_claim_on_a_mixed_node(

@@ -24,7 +24,6 @@ running at once:
 from __future__ import annotations
 
 import json
-import os
 import sys
 import threading
 import time
@@ -110,7 +109,7 @@ class Copies:
                     and str(view["pod"]).startswith(APP)  # not the pods the agents' tokens name
                     and view["state"] == "CONTAINER_RUNNING"
                     and pid
-                    and _alive(pid)
+                    and testcluster.pid_alive(pid)
                 ):
                     running.append(f"{node.name}/{view['pod']} (pid {pid})")
         return running
@@ -130,16 +129,6 @@ class Copies:
                 self.error = exc
                 return
             self._stop.wait(SAMPLE_EVERY)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # --- the scene ----------------------------------------------------------------------------------
