@@ -8,13 +8,14 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Mapping
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import grpc
 import pytest
 
 from edl_agent._proto.edl.fault.v1 import fault_pb2
+from edl_agent.faults.bounds import MAX_DEVICE_IDS
 from edl_agent.faults.convert import to_proto
 from edl_agent.faults.ids import container_exit_id
 from edl_agent.faults.model import Fault, FaultKind, PodRef
@@ -337,3 +338,45 @@ def test_per_call_work_is_bounded_and_the_rest_left_for_the_next_call() -> None:
     # Near the caller's deadline nothing more is handed on; nothing is acknowledged unrecorded.
     assert restarter.report("node-a", exit_of(pod), remaining=0.1) == []
     assert len(restarter.received) == MAX_FAULTS_PER_CALL
+
+
+def test_an_oversized_fault_is_accepted_cut_to_its_bounds_and_counted() -> None:
+    restarter = Restarter()
+    restarter.cache(worker(0, "node-a"))
+    huge = dataclasses.replace(
+        device_fault(1),
+        reason="XID79" * 1000,
+        detail="x" * 1_000_000,
+        device_ids=tuple(f"GPU-{i}-" + "u" * 1000 for i in range(1600)),
+    )
+    assert restarter.report("node-a", huge)[0][1] == ACCEPTED
+    [handed] = restarter.received
+    assert len(handed.device_ids) == MAX_DEVICE_IDS + 1
+    assert handed.device_ids[-1] == f"… (+{1600 - MAX_DEVICE_IDS} more)"
+    assert len(handed.reason) < 200
+    assert len(handed.detail) < 1100
+    assert restarter.intake.counts().trimmed == {"reason": 1, "detail": 1, "device_ids": 1}
+
+
+def test_a_name_longer_than_kubernetes_allows_is_an_invalid_fault() -> None:
+    restarter = Restarter()
+    restarter.cache(worker(0, "node-a"))
+    long_pod = dataclasses.replace(device_fault(1), pods=(PodRef("ml", "w" * 300, "uid-0"),))
+    [(_, verdict, reason)] = restarter.report("node-a", long_pod)
+    assert (verdict, reason) == (REFUSED, "invalid_fault")
+    assert restarter.received == []
+
+
+def test_a_fault_from_a_clock_ahead_is_taken_as_received_now_and_counted() -> None:
+    restarter = Restarter()
+    restarter.cache(worker(0, "node-a"), worker(1, "node-a"))
+    before = datetime.now(UTC)
+    ahead = dataclasses.replace(device_fault(1), observed_at=before + timedelta(hours=1))
+    slightly = dataclasses.replace(
+        device_fault(1, fault_id="slightly"), observed_at=before + timedelta(seconds=1)
+    )
+    assert [a[1] for a in restarter.report("node-a", ahead, slightly)] == [ACCEPTED, ACCEPTED]
+    after = datetime.now(UTC)
+    for handed in restarter.received:
+        assert before <= handed.observed_at <= after
+    assert restarter.intake.counts().trimmed == {"observed_at": 1}  # drift is not counted

@@ -574,3 +574,34 @@ def test_under_fence_wait_a_pod_on_a_cut_off_node_is_replaced_only_once_the_node
         assert controller.metrics.node_waits._value.get() == 1  # told once
     finally:
         controller.stop()
+
+
+def test_a_decision_the_api_server_refuses_to_record_does_not_hold_up_the_others(
+    cluster: InMemoryCluster, start: Callable[[], Controller]
+) -> None:
+    """A batch whose status write is refused for its size is recorded one decision at a time:
+    the one that cannot be written fails alone, the others of its policy are recorded and
+    their pods replaced."""
+    rules = [{"restartPolicy": "ExitCode", "exitCodes": "1-200"}, {"restartPolicy": "OnNodeFail"}]
+    cluster.add_policy(NS, "p", spec(faultTolerantPolicy=rules))
+    cluster.max_request_bytes = 64 * 1024
+    blob = {"name": "BLOB", "value": "x" * 100_000}
+    cluster.add_pod(
+        NS,
+        "big-0",
+        labels=labels("big", 0),
+        spec={"containers": [{"name": "main", "image": "busybox", "env": [blob]}]},
+    )
+    small = [
+        cluster.add_pod(NS, f"s{i}-0", labels=labels(f"s{i}", 0), status=failed()) for i in range(3)
+    ]
+    controller = start()
+    gone = cluster.force_delete(NS, "big-0")  # its template goes into the status
+    faults = [force_fault(gone, START), *(exit_fault(p) for p in small)]
+    tasks = [task for fault in faults for task in controller.deciders.tasks_of(fault)]
+    assert len(tasks) == 4
+    controller.deciders.decide_batch(NS, "p", tasks)
+    wait_until(lambda: names(cluster) == ["s0-0-r1", "s1-0-r1", "s2-0-r1"])
+    status = cluster.policies[(NS, "p")]["status"]
+    assert status["restarts"] == 3
+    assert not any(job["name"] == "big" for job in status["jobs"])

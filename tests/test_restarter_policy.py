@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import json
 import re
 from collections import defaultdict
 from datetime import UTC, datetime, timedelta
@@ -33,7 +34,7 @@ from edl_agent.restarter.policy import (
 from edl_agent.restarter.record import JobRecord
 from edl_agent.restarter.selector import LabelSelector, Operator, Requirement
 from edl_agent.restarter.spec import parse_policy, policy_spec_keys
-from edl_agent.restarter.status import LAST_ACTIONS, read_job, record_decision
+from edl_agent.restarter.status import LAST_ACTIONS, fit, read_job, record_decision
 from edl_agent.typed import SchemaError
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "daemonset"
@@ -601,13 +602,20 @@ def test_stale_faults_are_dropped() -> None:
     assert later.action is Action.BACKOFF  # observed after the restart: a new fault
 
 
-def test_a_fault_observed_after_now_is_still_stale_once_acted_on() -> None:
+def test_a_fault_observed_after_now_is_taken_as_observed_now() -> None:
+    """A clock ahead of the restarter's cannot date the slot's record into the future: the
+    fault counts as observed now, it is stale once acted on, and a fault of the replacement
+    observed after the restart on a good clock is a new one (with the record at the reported
+    time it would be judged stale until then)."""
     p = policy()
-    fault = exit_fault(129, 10)  # the agent's clock is 5 s ahead of the restarter's
+    fault = exit_fault(129, 3600)  # the agent's clock is an hour ahead of the restarter's
     first = run(p, fault, now=5)
     assert first.action is Action.RESTART
-    assert first.record.last_restarts[0].at == at(10)
-    assert run(p, fault, now=6, record=first.record).action is Action.STALE
+    assert first.record.last_restarts[0].at == at(5)
+    assert first.fault.observed_at == at(5)
+    assert run(p, first.fault, now=6, record=first.record).action is Action.STALE
+    replacement = exit_fault(129, 600, id="replacement")  # ten minutes later, a good clock
+    assert run(p, replacement, now=600, record=first.record).action is Action.RESTART
 
 
 def test_forgotten_restarts_still_make_old_faults_stale() -> None:
@@ -845,3 +853,53 @@ def test_fence_defaults_to_force_and_names_a_bad_value() -> None:
     assert policy(fence="Wait").fence is Fence.WAIT
     with pytest.raises(SchemaError, match=r"spec\.fence"):
         policy(fence="Later")
+
+
+def _big_status(jobs: int, template_bytes: tuple[int, ...]) -> dict[str, Any]:
+    """A status of `jobs` jobs with full last actions; job 0 has a pending restart for each
+    size in `template_bytes`, each pod with a template of about that many bytes."""
+    action = {"time": "2026-05-01T12:00:00.000000Z", "action": "Restart", "reason": "r" * 300}
+    entries: list[dict[str, Any]] = [
+        {"name": f"job-{j}", "restarts": 1, "lastActions": [dict(action)] * LAST_ACTIONS}
+        for j in range(jobs)
+    ]
+    entries[0]["pendingRestarts"] = [
+        {
+            "faultId": f"f{n}",
+            "pods": [{"name": f"p{n}", "uid": f"u{n}", "template": {"spec": {"x": "t" * size}}}],
+        }
+        for n, size in enumerate(template_bytes)
+    ]
+    return {"restarts": jobs, "jobs": entries}
+
+
+def _size(value: Any) -> int:
+    return len(json.dumps(value, separators=(",", ":")))
+
+
+def test_a_status_within_its_budget_is_left_as_it_is() -> None:
+    status = _big_status(3, (100,))
+    before = copy.deepcopy(status)
+    assert fit(status, budget=_size(status)) == []
+    assert status == before
+
+
+def test_past_its_budget_the_status_loses_last_actions_first_and_keeps_every_record() -> None:
+    status = _big_status(200, (100, 100))
+    records = [(j["name"], j["restarts"], j.get("pendingRestarts")) for j in status["jobs"]]
+    budget = _size(status) // 2
+    dropped = fit(status, budget=budget)
+    assert _size(status) <= budget
+    assert dropped == [f"{200 * (LAST_ACTIONS - 1)} last actions"]
+    assert all(len(j["lastActions"]) == 1 for j in status["jobs"])
+    assert [(j["name"], j["restarts"], j.get("pendingRestarts")) for j in status["jobs"]] == records
+
+
+def test_then_pod_templates_go_largest_first() -> None:
+    status = _big_status(2, (5_000, 200_000, 1_000))
+    dropped = fit(status, budget=20_000)
+    assert _size(status) <= 20_000
+    assert dropped[-1] == "the pod template of p1"
+    pods = [p for r in status["jobs"][0]["pendingRestarts"] for p in r["pods"]]
+    assert ["template" in p for p in pods] == [True, False, True]
+    assert [p["uid"] for p in pods] == ["u0", "u1", "u2"]  # the restart records stay

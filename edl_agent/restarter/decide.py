@@ -11,10 +11,12 @@ again, and the retried fault is stale.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from edl_agent.faults.bounds import named_ids
 from edl_agent.faults.model import Fault, FaultKind
 from edl_agent.restarter.policy import (
     EVENT_OF_KIND,
@@ -70,6 +72,8 @@ def decide(  # noqa: PLR0911 - one return per step of the ladder
     have whole seconds, so its fast crash would otherwise look older than the restart).
     `exit_owner`: the controller that counts the pod's exits itself (a Job): an exit is its to
     decide, never a restart of ours."""
+    if fault.observed_at > now:  # a clock ahead of ours: its record must not be in the future
+        fault = dataclasses.replace(fault, observed_at=now)
     what = describe(fault)
 
     def decision(
@@ -143,9 +147,8 @@ def decide(  # noqa: PLR0911 - one return per step of the ladder
             scope=scope,
             until=until,
         )
-    at = max(now, fault.observed_at)
     updated = record.with_restart(
-        pod, scope=scope, at=at, consecutive=in_a_row + 1, policy=policy, now=now
+        pod, scope=scope, at=now, consecutive=in_a_row + 1, policy=policy, now=now
     )
     return Decision(
         Action.RESTART,
@@ -163,11 +166,20 @@ def describe(fault: Fault) -> str:
     """The fault in a few words: `exit with code 137 of container trainer`, `nodeNotReady on n1`."""
     event = EVENT_OF_KIND.get(fault.kind)
     if event is not None:
-        devices = f" ({', '.join(fault.device_ids)})" if fault.device_ids else ""
+        devices = f" ({_some(fault.device_ids)})" if fault.device_ids else ""
         return f"{event}{devices} on {fault.node}"
     code = "an unknown code" if fault.exit_code is None else f"code {fault.exit_code}"
     container = f" of container {fault.container}" if fault.container else ""
     return f"exit with {code}{container}"
+
+
+def _some(ids: tuple[str, ...], shown: int = 4) -> str:
+    """The first `shown` ids, and how many more the fault named (a reason goes into Events and
+    the status)."""
+    named = named_ids(ids)
+    if named <= shown:
+        return ", ".join(ids)
+    return f"{', '.join(ids[:shown])}, +{named - shown} more"
 
 
 def _born_after(created: datetime | None, restart: datetime) -> bool:

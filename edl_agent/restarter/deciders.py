@@ -38,6 +38,9 @@ log = structlog.get_logger(__name__)
 
 
 OWNERS_TOLD = 10_000
+# A status write the API server refuses for what it holds (bad request, too large, invalid),
+# not for when it came: the same write will be refused again.
+REFUSED_WRITE = frozenset({400, 413, 422})
 
 
 class Progress(Protocol):
@@ -143,6 +146,42 @@ class Deciders:
 
     def decide_batch(self, namespace: str, name: str, tasks: list[Task]) -> None:
         """Decide and record `tasks` (all under policy namespace/name), then act."""
+        recorded = self._record(namespace, name, tasks)
+        if recorded is None:
+            for task in tasks:
+                self.decide_batch(namespace, name, [task])
+            return
+        obj, result, error = recorded
+        if result.dropped:
+            log.warning(
+                "the policy's status is at its budget; left out of it",
+                policy=f"{namespace}/{name}",
+                dropped=result.dropped,
+            )
+        if error is not None:
+            log.warning("decisions not recorded; their faults come again", error=error)
+            for task in tasks:
+                self._progress.task_done(task, ok=False, error=error)
+            return
+        for task, decision in result.decisions:
+            self._decided(decision, task, name, policy=obj)
+        for task in tasks:
+            self._progress.task_done(task, ok=True)
+        for fault, until in result.backoffs:
+            self._progress.schedule(fault, until)
+        observed = {d.fault.id: d.fault.observed_at for _, d in result.decisions}
+        for pending in result.restarts:
+            self._replacer.replace_all(pending, namespace)
+            elapsed = (self._clock() - observed[pending.fault_id]).total_seconds()
+            self._metrics.fault_to_replacement.labels(str(pending.fault)).observe(max(0.0, elapsed))
+
+    def _record(
+        self, namespace: str, name: str, tasks: list[Task]
+    ) -> tuple[dict[str, Any], Plan, str | None] | None:
+        """Decide `tasks` against the policy and write its status: the policy object, the plan
+        and the error that kept it from being recorded (None: recorded). None when the API
+        server refused the batch's write for what it holds and the batch has more than one
+        task: the caller decides each alone, so that one cannot hold up the others."""
         error = None
         obj: dict[str, Any] = {}
         result = Plan()
@@ -168,27 +207,20 @@ class Deciders:
                     log.info("the policy changed; deciding again", policy=name)
                     continue
                 except ApiError as exc:
+                    if exc.status in REFUSED_WRITE and len(tasks) > 1:
+                        log.warning(
+                            "status write refused; recording the batch's decisions one by one",
+                            policy=f"{namespace}/{name}",
+                            tasks=len(tasks),
+                            error=str(exc),
+                        )
+                        return None
                     error = f"cannot record decisions in {namespace}/{name}: {exc}"
                     break
             break
         else:
             error = f"policy {namespace}/{name} keeps changing"
-        if error is not None:
-            log.warning("decisions not recorded; their faults come again", error=error)
-            for task in tasks:
-                self._progress.task_done(task, ok=False, error=error)
-            return
-        for task, decision in result.decisions:
-            self._decided(decision, task, name, policy=obj)
-        for task in tasks:
-            self._progress.task_done(task, ok=True)
-        for fault, until in result.backoffs:
-            self._progress.schedule(fault, until)
-        observed = {d.fault.id: d.fault.observed_at for _, d in result.decisions}
-        for pending in result.restarts:
-            self._replacer.replace_all(pending, namespace)
-            elapsed = (self._clock() - observed[pending.fault_id]).total_seconds()
-            self._metrics.fault_to_replacement.labels(str(pending.fault)).observe(max(0.0, elapsed))
+        return obj, result, error
 
     def _members(self, policy: Policy, decision: Decision, pod: Pod) -> list[Pod]:
         """The other live pods a Restart of `decision.scope` replaces along with `pod`."""

@@ -16,6 +16,12 @@ again) until the cache has had `cache_lag` seconds since the first such answer, 
 (`pod_unknown`, `pod_elsewhere`, `exit_not_seen`). Refusals and waits are logged (one line per
 reason per `log_interval`, with the number left out) and counted by reason, never acted on.
 
+What a believed fault carries is bounded (`faults.bounds`): a name longer than Kubernetes allows
+is an invalid fault; the reason, the detail and the device ids are cut to their bounds with a
+mark, and a time ahead of the restarter's clock becomes the time of receipt (counted and logged
+when more than `MAX_CLOCK_AHEAD` ahead); each cut is counted by field and logged, and the fault
+is accepted as cut.
+
 Ids are scoped by observer: a believed ContainerExit keeps its canonical id
 (`exit/<uid>/<container>/<n>`, as the restarter's own watcher derives it from the same status);
 any other fault is kept as `agent/<node>/<id>` (`ids.observer_scoped_id`), so that an agent
@@ -43,6 +49,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from concurrent import futures
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -53,6 +60,7 @@ from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 from edl_agent._proto.edl.fault.v1 import fault_pb2, fault_pb2_grpc
 from edl_agent.address import is_loopback
 from edl_agent.devices.settings import MAX_SHARES_PER_DEVICE
+from edl_agent.faults.bounds import bound, too_long_name
 from edl_agent.faults.convert import InvalidFault, from_proto
 from edl_agent.faults.ids import observer_scoped_id
 from edl_agent.faults.model import Fault, FaultKind, PodRef
@@ -87,6 +95,12 @@ DEADLINE_MARGIN = 0.5
 # How long the pod cache may trail an agent (from the first "retry later" about a fault).
 CACHE_LAG = 30.0
 RETRY_LATER = "retry_later"
+TRIMMED = {
+    "reason": "fault reason cut to the intake's bound",
+    "detail": "fault detail cut to the intake's bound",
+    "device_ids": "fault device ids cut to the intake's bound",
+    "observed_at": "fault dated ahead of the restarter's clock; taken as observed now",
+}
 
 SERVICE = "edl.fault.v1.FaultIntake"
 CALL_STATUS = {
@@ -127,6 +141,7 @@ class FaultIntake(fault_pb2_grpc.FaultIntakeServicer):
         clock: Callable[[], float] = time.monotonic,
         find_pod: FindPod | None = None,
         cache_lag: float = CACHE_LAG,
+        now: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
         self._find_pod: FindPod = find_pod or (lambda _ref: None)
         self._review = review
@@ -135,17 +150,21 @@ class FaultIntake(fault_pb2_grpc.FaultIntakeServicer):
         self._remember = remember
         self._log_interval = log_interval
         self._clock = clock
+        self._now = now
         self._cache_lag = cache_lag
         self._lock = threading.Lock()
         self._seen = BoundedSet(self._remember)
         self._waiting: BoundedMap[str, float] = BoundedMap(self._remember)  # key → first wait
         self._counts = IntakeCounts()
         self._refused: Counter[str] = Counter()
+        self._trimmed: Counter[str] = Counter()
         self._last_logged: dict[str, tuple[float, int]] = {}  # reason → (when, left out since)
 
     def counts(self) -> IntakeCounts:
         with self._lock:
-            return dataclasses.replace(self._counts, refused=dict(self._refused))
+            return dataclasses.replace(
+                self._counts, refused=dict(self._refused), trimmed=dict(self._trimmed)
+            )
 
     def refuse_connection(self) -> None:
         """Count a connection the gate in front closed unread (peer_gate.py: logged there)."""
@@ -230,11 +249,15 @@ class FaultIntake(fault_pb2_grpc.FaultIntakeServicer):
             fault = from_proto(message)
         except InvalidFault as exc:
             return self._refuse_fault(message.id, Refusal.INVALID_FAULT, peer=peer, error=str(exc))
+        too_long = too_long_name(fault)
+        if too_long is not None:
+            return self._refuse_fault(fault.id, Refusal.INVALID_FAULT, peer=peer, error=too_long)
         refusal = fault_refusal(fault.node, identity)
         if refusal is not None:
             return self._refuse_fault(
                 fault.id, refusal, peer=peer, fault_node=fault.node, token_node=identity.node
             )
+        fault = self._bounded(fault, peer)
         if fault.kind is FaultKind.CONTAINER_EXIT and (
             len(fault.pods) != 1 or fault.container is None
         ):
@@ -242,6 +265,23 @@ class FaultIntake(fault_pb2_grpc.FaultIntakeServicer):
                 fault.id, Refusal.INVALID_FAULT, peer=peer, error="an exit names one container"
             )
         return self._weigh(fault, peer)
+
+    def _bounded(self, fault: Fault, peer: str) -> Fault:
+        """`fault` within the bounds of `faults.bounds`; what was cut is counted and logged."""
+        bounded = bound(fault, now=self._now())
+        for name in bounded.trimmed:
+            with self._lock:
+                self._trimmed[name] += 1
+            self._log_throttled(
+                f"trimmed:{name}",
+                TRIMMED[name],
+                field=name,
+                fault_id=fault.id,
+                node=fault.node,
+                peer=peer,
+                **({"observed_at": fault.observed_at.isoformat()} if name == "observed_at" else {}),
+            )
+        return bounded.fault
 
     def _weigh(self, fault: Fault, peer: str) -> fault_pb2.Ack | Fault:
         """`_judge`'s second half: what the pod cache says about the pods `fault` names (and,

@@ -1,7 +1,8 @@
 """A cluster in memory that implements both of the restarter's ports (`port.ClusterPort` and
 `port.PodView`) with the API server's rules that matter to it: a status write carries the
 resourceVersion it read and fails with Conflict when the policy changed since; creating a pod
-whose name exists fails AlreadyExists; a delete is conditional on the pod's uid. It counts the
+whose name exists fails AlreadyExists; a delete is conditional on the pod's uid; a status write
+larger than the API server takes fails 413. It counts the
 calls made, and can be told to fail them, so the controller's orchestration can be tested in
 milliseconds, crashes and API errors included.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import threading
 import uuid
 from collections import Counter
@@ -24,6 +26,9 @@ from edl_agent.restarter.port import Conflict, Replacement
 from edl_agent.restarter.replacement import NODE_FAULTS, REPLACES_UID_ANNOTATION, replacement_pod
 
 UNAVAILABLE = 503
+TOO_LARGE = 413
+# kube-apiserver refuses a request body over 3 MiB (its `--max-request-bytes` default).
+MAX_REQUEST_BYTES = 3 * 1024 * 1024
 
 
 class InMemoryCluster:
@@ -42,6 +47,8 @@ class InMemoryCluster:
         self.failing: set[str] = set()
         """Call names (`write_status`, `create_pod`, `delete_pod`, `read_policy`, `read_pod`)
         that fail with HTTP 503 while listed."""
+        self.max_request_bytes = MAX_REQUEST_BYTES
+        """A status write whose policy, as JSON, is larger fails with HTTP 413."""
 
     # --- set-up --------------------------------------------------------------------------
 
@@ -136,6 +143,10 @@ class InMemoryCluster:
                 raise ApiError(404, "policy not found")
             if obj["metadata"]["resourceVersion"] != meta["resourceVersion"]:
                 raise Conflict("the object has been modified")
+            size = len(json.dumps({**obj, "status": status}))
+            if size > self.max_request_bytes:
+                limit = self.max_request_bytes
+                raise ApiError(TOO_LARGE, f"Request entity too large: limit is {limit}")
             obj["status"] = copy.deepcopy(dict(status))
             obj["metadata"]["resourceVersion"] = str(next(self._versions))
             return copy.deepcopy(obj)

@@ -8,6 +8,8 @@ edl_restarter_api_writes_total{what}              writes made: status, create, d
 edl_restarter_intake_faults_total{outcome}        reported faults: accepted, duplicate, deferred
 edl_restarter_intake_refusals_total{reason}       reports refused (token, account, node),
                                                   connections refused (too many)
+edl_restarter_intake_trimmed_total{field}         faults cut to the intake's bounds, or dated
+                                                  ahead of its clock (field observed_at)
 edl_restarter_queue_depth                         faults waiting for or in a decision
 edl_restarter_leader                              1 while this replica leads
 edl_restarter_storm_paused                        1 while the storm guard holds restarts
@@ -41,6 +43,7 @@ class IntakeCounts:
     review_errors: int = 0
     sink_errors: int = 0
     deferred: int = 0  # answered "retry later": the pod cache did not show it yet
+    trimmed: Mapping[str, int] = field(default_factory=dict)  # by field (faults.bounds)
 
 
 # Replacements are created in tens of milliseconds; node faults include the node grace.
@@ -163,6 +166,16 @@ class _IntakeCollector(Collector):
         for reason, count in sorted(counts.refused.items()):
             refusals.add_metric([reason], count)
         yield refusals
+        trimmed = CounterMetricFamily(
+            "edl_restarter_intake_trimmed",
+            "Faults the intake brought within its bounds, by field: reason, detail and "
+            "device_ids cut (with a mark); observed_at dated more than 10 s ahead of the "
+            "restarter's clock, taken as observed now.",
+            labels=["field"],
+        )
+        for name in ("reason", "detail", "device_ids", "observed_at"):
+            trimmed.add_metric([name], counts.trimmed.get(name, 0))
+        yield trimmed
         errors = CounterMetricFamily(
             "edl_restarter_intake_errors",
             "Reports the intake could not take: token review unavailable, or the queue failed.",

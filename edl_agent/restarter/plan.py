@@ -27,6 +27,7 @@ from edl_agent.restarter.status import (
     apply_decision,
     drop_pending,
     find_job,
+    fit,
     pending_restarts,
     read_job,
     update_totals,
@@ -59,6 +60,8 @@ class Plan:
     backoffs: list[tuple[Fault, datetime]] = field(default_factory=list)
     finished: int = 0
     """Pending restarts of earlier runs dropped as done."""
+    dropped: list[str] = field(default_factory=list)
+    """What `status.fit` left out of the status to keep it within its budget."""
 
 
 def plan(
@@ -148,6 +151,7 @@ def plan(
         result.finished = len(done)
     if changed or result.finished:
         update_totals(status)
+        result.dropped = fit(status)
         result.status = status
     return result
 

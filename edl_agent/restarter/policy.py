@@ -68,8 +68,11 @@ only a slot that fails again soon waits. initialSeconds 0 turns backoff off.
 
 **Stale faults.** A fault observed no later than the newest restart covering its slot is Stale:
 that restart already replaced the pod (a fault reported twice, by an agent and a watcher, or
-another pod of the same Replica or All restart). A restart is recorded at max(now, observed
-time), so the fault that caused it is stale at once; agents' clocks must agree with the
+another pod of the same Replica or All restart). A fault observed "later" than the restarter's
+now (a clock ahead of its own) is taken as observed now, so a restart is recorded at now and
+never later: the fault that caused it is stale at once, and one bad clock cannot make the
+faults of the slot's replacement look older than the restart (the intake also clamps times
+more than `intake.MAX_CLOCK_AHEAD` ahead, and counts them). Agents' clocks must agree with the
 restarter's to well under a restart's duration (NTP does). The record forgets a slot's last
 restart after restartTimeLimit, or an hour if longer; faults observed before the newest
 forgotten restart are stale too.

@@ -27,11 +27,17 @@ new one; the caller writes it through the status subresource.
 
 Times are RFC 3339 in UTC with microseconds: a stale-fault check compares them with fault
 times, and whole seconds would make a fault look newer than the restart it caused.
+
+The status is kept within `STATUS_BUDGET` bytes (`fit`): what arrives with a fault is bounded at
+the intake already, and past the budget what decisions never read goes first (last actions, then
+the pod templates that the restarter also holds in memory), so that a status write is never
+refused as too large and holds up every other decision of the policy.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -46,6 +52,9 @@ from edl_agent.restarter.policy import Fence, RestartScope
 from edl_agent.restarter.record import JobRecord, LastRestart, ReplicaCount
 
 LAST_ACTIONS = 10
+# etcd keeps objects up to 1.5 MiB by default, and the API server refuses requests over 3 MiB:
+# the status stays well below, whatever the spec beside it holds.
+STATUS_BUDGET = 512 * 1024
 LIMIT_EXCEEDED = "RestartLimitExceeded"
 _ZONED = re.compile(r"(Z|[+-]\d\d:\d\d)$")
 
@@ -427,3 +436,50 @@ def _set_condition(entry: dict[str, Any], decision: Decision, now: datetime) -> 
             "lastTransitionTime", condition["lastTransitionTime"]
         )
     conditions[:] = [c for c in conditions if c.get("type") != LIMIT_EXCEEDED] + [condition]
+
+
+def fit(status: dict[str, Any], budget: int = STATUS_BUDGET) -> list[str]:
+    """Bring `status` within `budget` bytes of JSON, in place, by dropping what no decision
+    reads: first the last actions (all but each job's newest, then those too), then pod
+    templates of pending restarts and backoffs, largest first (the restarter holds them in
+    memory as well; only a restarter that starts anew after this write lacks them, and it
+    replaces such a pod once its owner or a later fault makes it again). What was dropped, in
+    words (empty: it fitted)."""
+    dropped: list[str] = []
+    if _size(status) <= budget:
+        return dropped
+    jobs = status.get("jobs") or []
+    for keep in (1, 0):
+        cut = 0
+        for job in jobs:
+            actions = job.get("lastActions") or []
+            if len(actions) > keep:
+                cut += len(actions) - keep
+                job["lastActions"] = actions[len(actions) - keep :]
+        if cut:
+            dropped.append(f"{cut} last actions")
+        if _size(status) <= budget:
+            return dropped
+    holders = [
+        holder
+        for job in jobs
+        for holder in [
+            *(p for pending in job.get("pendingRestarts") or [] for p in pending.get("pods") or []),
+            *(job.get("pendingBackoffs") or []),
+        ]
+        if "template" in holder
+    ]
+    holders.sort(key=lambda h: _size(h["template"]), reverse=True)
+    over = _size(status) - budget
+    for holder in holders:
+        if over <= 0:
+            break
+        over -= _size(holder.pop("template"))
+        dropped.append(
+            f"the pod template of {holder.get('name') or holder.get('pod', {}).get('name')}"
+        )
+    return dropped
+
+
+def _size(value: Any) -> int:
+    return len(json.dumps(value, separators=(",", ":")))

@@ -15,6 +15,7 @@ Only the test's own processes are ever signalled, by the pid it started.
 from __future__ import annotations
 
 import copy
+import http.client
 import json
 import os
 import signal
@@ -236,14 +237,19 @@ class Replica:
     killed: bool = False
 
     def readyz(self) -> tuple[int, str] | None:
-        """/readyz's status and text; None while nothing answers."""
+        """/readyz's status and text; None while nothing answers in whole (a replica being
+        killed may close the connection mid-answer: `http.client.IncompleteRead` and its kin
+        are no `OSError`, and they mean "not leading" as much as a refused connection)."""
         url = f"http://127.0.0.1:{self.metrics_port}/readyz"
         try:
             with urllib.request.urlopen(url, timeout=1) as response:
                 return int(response.status), response.read().decode()
         except urllib.error.HTTPError as exc:
-            return exc.code, exc.read().decode()
-        except OSError:
+            try:
+                return exc.code, exc.read().decode()
+            except (OSError, http.client.HTTPException):
+                return None
+        except (OSError, http.client.HTTPException):
             return None
 
     def leading(self) -> bool:

@@ -181,7 +181,7 @@ def test_every_panel_query_answers_with_series(
     assert {s["metric"]["fault"] for s in series("Fault → replacement latency")} == {
         "ContainerExit"
     }
-    assert {s["metric"]["reason"] for s in series("Refusals by reason")} == {"no_token"}
+    assert {s["metric"]["reason"] for s in series("Intake refusals and cuts")} == {"no_token"}
     # The restarter keeps the operator's target labels (it exports no pod labels of its own).
     assert [s["metric"]["pod"] for s in series("Queue depth per replica")] == [RESTARTER_POD]
 

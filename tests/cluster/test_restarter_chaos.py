@@ -13,7 +13,9 @@ next round faults it again, so each slot's expected restart count is known exact
 
   exit          KWOK ends the container with a restarting code (the restarter's watch sees it)
   exit+agent    the same, and the agent on the node reports that exit too (the same fault id)
-  device        only the agent reports it: DeviceUnhealthy naming the pod on its node
+  device        only the agent reports it: DeviceUnhealthy naming the pod on its node; a third
+                of them oversized (1,600 device ids of 1 KB, a 100 KB detail: cut at the
+                intake), a third dated by a clock an hour fast (taken as observed on receipt)
   force-delete  the pod is deleted with grace 0 while running
   not-ready     its node turns NotReady (KWOK) for longer than the restarter's node grace
   ignored-exit  an exit no rule restarts: must never be replaced
@@ -102,6 +104,9 @@ RESTART_CODES = (137, *range(1, 11))
 IGNORED_CODE = 42
 KINDS = ("exit", "exit+agent", "device", "force-delete", None)
 WEIGHTS = (0.3, 0.2, 0.2, 0.2, 0.1)
+# Device faults come plain, oversized (1,600 device ids of 1 KB) or from a clock an hour fast.
+DEVICE_VARIANTS = ("plain", "oversized", "ahead")
+CLOCK_AHEAD = 3600.0
 # A fault on a replacement waits until the replacement has existed this long: KWOK dates exits
 # to the second, and an exit dated before the restart that made its pod is stale by design.
 MIN_POD_AGE = 2.0
@@ -149,6 +154,7 @@ class Sent:
     pod: str
     node: str
     delivery: Future[Delivery] | None = None
+    variant: str = ""  # a device fault's: plain, oversized or ahead
 
 
 @dataclass
@@ -324,7 +330,9 @@ class Chaos:
                 )
                 calls.append(functools.partial(ignore_missing, delete))
             elif kind == "device":
-                sent.delivery = self.agents.report(device_fault(ns, pod, number, now))
+                sent.variant = self.rng.choice(DEVICE_VARIANTS)
+                fault = device_fault(ns, pod, number, now, sent.variant)
+                sent.delivery = self.agents.report(fault)
             self.sent.append(sent)
         label = {"metadata": {"labels": {NODE_NOT_READY_LABEL: "true"}}}
         calls.extend(
@@ -410,7 +418,13 @@ class Chaos:
         self.restored[node] = time.monotonic() + NODE_COOLDOWN
 
 
-def device_fault(namespace: str, pod: PodSeen, number: int, now: float) -> fault_pb2.Fault:
+def device_fault(
+    namespace: str, pod: PodSeen, number: int, now: float, variant: str = "plain"
+) -> fault_pb2.Fault:
+    """The agent's DeviceUnhealthy about `pod`. `oversized`: it names 1,600 device ids of 1 KB
+    and a 100 KB detail (each must be cut at the intake, not fill the policy's status);
+    `ahead`: dated by a clock an hour fast (it must count as observed when received, and its
+    slot's next faults must not look older than the restart)."""
     device = f"GPU-{pod.name}"
     fault = fault_pb2.Fault(
         id=f"device/{pod.node}/{device}/XID79/{number}-{pod.uid}",
@@ -422,7 +436,11 @@ def device_fault(namespace: str, pod: PodSeen, number: int, now: float) -> fault
         detail="GPU has fallen off the bus",
         source="agent",
     )
-    fault.observed_at.FromDatetime(datetime.fromtimestamp(now, UTC))
+    if variant == "oversized":
+        fault.device_ids.extend(f"{device}-{i}-" + "u" * 1000 for i in range(1600))
+        fault.detail = "x" * 100_000
+    ahead = CLOCK_AHEAD if variant == "ahead" else 0.0
+    fault.observed_at.FromDatetime(datetime.fromtimestamp(now + ahead, UTC))
     return fault
 
 
@@ -810,6 +828,7 @@ def tally(
     chaos: Chaos, deliveries: list[Delivery], report: Report, *, setup: float, duration: float
 ) -> str:
     kinds = Counter(s.kind for s in chaos.sent)
+    variants = Counter(s.variant for s in chaos.sent if s.kind == "device")
     restarting = sum(1 for s in chaos.sent if s.generation)
     verdicts = Counter(d.verdict.split(":")[0] or "none" for d in deliveries)
     lost_kinds = ", ".join(f"{k} {n}" for k, n in sorted(report.lost_by_kind.items())) or "none"
@@ -819,7 +838,8 @@ def tally(
         f"chaos: faults sent {len(chaos.sent)}, acted on {report.acted}, lost {report.lost}, "
         f"doubled {report.doubled}"
         f" | {restarting} to restart: exit {kinds['exit']}, exit+agent {kinds['exit+agent']}, "
-        f"device (agent only) {kinds['device']}, force-delete {kinds['force-delete']}, "
+        f"device (agent only) {kinds['device']} ({variants['oversized']} oversized, "
+        f"{variants['ahead']} an hour ahead), force-delete {kinds['force-delete']}, "
         f"not-ready {kinds['not-ready']} (on {len(chaos.restored)} nodes); "
         f"{kinds['ignored-exit']} not to restart | lost by kind: {lost_kinds}"
         f" | leader SIGKILLs {len(chaos.fleet.kills)}, other restarter exits "

@@ -17,6 +17,11 @@ checkpoint and making steps:
 - a node dies (kubelet and runtime stop): NotReady, its worker replaced on another node;
 - the baseline: the same XID with the restarter stopped, measured over a fixed window.
 
+A second job runs to its end: every worker's pod must end Succeeded, with nothing replaced. The
+workers' container restart rules are read from deploy/examples/paddle-elastic-job.yaml, so both
+tests run the rules as shipped (a rule that restarts exit 0 too would start a finished trainer
+again forever, and the second test would never see a pod Succeed).
+
 Each scenario's timeline (fault → replacement Running → training resumed at full size, steps
 lost) is printed in pytest's terminal summary; with TRAINING_FIGURES_FILE=FILE set they are also
 written there as JSON (bench/training_faults.py runs rounds of this test that way).
@@ -39,6 +44,7 @@ import k8sbinaries
 import pytest
 import testcluster
 import testnode
+import yaml
 from k8s_test_helpers import GPU_RESOURCE, KwokCluster, bound_tokens, wait_for
 from kubelet_helpers import NodeAgent, pod_devices
 from kubernetes import client
@@ -68,6 +74,7 @@ pytestmark = pytest.mark.kubelet
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN_PY = REPO / "tests" / "training" / "train.py"
+EXAMPLE = REPO / "deploy" / "examples" / "paddle-elastic-job.yaml"
 WORLD = 3
 XID = 95
 MERGE = "application/merge-patch+json"
@@ -75,6 +82,8 @@ STARTUP = 180.0
 RECOVERY = 150.0  # fault → training back at full size; Paddle's own share is ~17 s
 BASELINE_WINDOW = 45.0
 PROGRESS_STEPS = 30
+STEPS_TO_END = 300  # the job that runs to its end: a few seconds of steps at world size 3
+END = 300.0  # start → every pod Succeeded
 
 # --- the trainers' logs -------------------------------------------------------------------------
 
@@ -192,11 +201,35 @@ class Job:
         )
 
 
+def shipped_restart_rules() -> list[dict[str, Any]]:
+    """The trainer container's restart rules as deploy/examples/paddle-elastic-job.yaml ships
+    them (one set, the same for every worker)."""
+    documents = [d for d in yaml.safe_load_all(EXAMPLE.read_text()) if d]
+    found = {
+        json.dumps(container["restartPolicyRules"], sort_keys=True)
+        for document in documents
+        if document["kind"] == "Pod"
+        for container in document["spec"]["containers"]
+    }
+    assert len(found) == 1, f"the example's workers disagree on their restart rules: {found}"
+    rules: list[dict[str, Any]] = json.loads(found.pop())
+    return rules
+
+
 def worker_pod(
-    index: int, *, node: str | None, pool: str, python: Path, etcd: str, workdir: Path
+    index: int,
+    *,
+    node: str | None,
+    pool: str,
+    python: Path,
+    etcd: str,
+    workdir: Path,
+    steps: int | None = None,
 ) -> dict[str, Any]:
-    """A worker: one launcher with one GPU; kubelet restarts the launcher in place on any exit
-    except the policy's codes (129, 101), which end the pod for the restarter."""
+    """A worker: one launcher with one GPU, with the shipped restart rules: kubelet restarts the
+    launcher in place on a failed exit except the policy's codes (129, 101), which end the pod
+    for the restarter; exit 0 ends the pod Succeeded. `steps`: the trainer exits 0 after that
+    many (else it trains on until the test ends)."""
     labels = {**worker_labels(index), f"{POOL_LABEL}-job": JOB}
     launcher = [
         str(python),
@@ -211,6 +244,7 @@ def worker_pod(
         f"--log_dir={workdir}/launch-logs/$(POD_NAME)",
         str(TRAIN_PY),
         f"--checkpoints={workdir}/checkpoints",
+        *([] if steps is None else [f"--steps={steps}"]),
     ]
     spec: dict[str, Any] = {
         "nodeSelector": {POOL_LABEL: pool},
@@ -229,12 +263,7 @@ def worker_pod(
                 ],
                 "resources": {"limits": {GPU_RESOURCE: "1"}},
                 "restartPolicy": "Never",
-                "restartPolicyRules": [
-                    {
-                        "action": "Restart",
-                        "exitCodes": {"operator": "NotIn", "values": [101, 129]},
-                    }
-                ],
+                "restartPolicyRules": shipped_restart_rules(),
             }
         ],
     }
@@ -414,7 +443,106 @@ def xid_on(job: Job, pod: Any) -> str:
     return f"XID {XID} on GPU {index} of {pod.metadata.name} ({node})"
 
 
-# --- the test -----------------------------------------------------------------------------------
+# --- the tests ----------------------------------------------------------------------------------
+
+
+def start_job(
+    k8s: KwokCluster,
+    plane: testcluster.ControlPlane,
+    kubelet_nodes: Callable[..., testnode.Node],
+    *,
+    trainer_python: Path,
+    etcd: str,
+    processes: list[Process],
+    tmp_path: Path,
+    steps: int | None = None,
+) -> Job:
+    """Three exec-mode kubelet nodes with an agent each, the restarter and the policy, and one
+    worker created on each node (`steps`: see `worker_pod`)."""
+    ns = k8s.namespace
+    workdir = tmp_path / "train"
+    (workdir / "checkpoints").mkdir(parents=True)
+    (workdir / "home").mkdir()
+    nodes = {}
+    for _ in range(WORLD):
+        node = kubelet_nodes(exec_mode=True)
+        k8s.core.patch_node(
+            node.name, {"metadata": {"labels": {POOL_LABEL: ns}}}, _content_type=MERGE
+        )
+        nodes[node.name] = node
+    restarter, agents = start_restarter_and_agents(k8s, plane, nodes, tmp_path, processes)
+    objects = client.CustomObjectsApi(k8s.api)
+    objects.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, policy_body(ns))
+    job = Job(k8s, nodes, agents, restarter, TrainerLogs(list(nodes.values())), workdir)
+    for index, node_name in enumerate(nodes):
+        k8s.core.create_namespaced_pod(
+            ns,
+            worker_pod(
+                index,
+                node=node_name,
+                pool=ns,
+                python=trainer_python,
+                etcd=etcd,
+                workdir=workdir,
+                steps=steps,
+            ),
+        )
+    return job
+
+
+@pytest.mark.timeout(900)
+def test_a_job_runs_to_its_end_and_every_pod_succeeds(  # noqa: PLR0917 - fixtures
+    k8s_managed: KwokCluster,
+    k8s_managed_plane: testcluster.ControlPlane,
+    managed_kubelet_nodes: Callable[..., testnode.Node],
+    managed_scheduler: Process,
+    policy_crd: None,
+    trainer_python: Path,
+    etcd: str,
+    processes: list[Process],
+    tmp_path: Path,
+) -> None:
+    """The shipped restart rules let a finished job end: each launcher exits 0 after the last
+    step and its pod Succeeds; nothing is restarted after that and nothing replaced."""
+    k8s = k8s_managed
+    job = start_job(
+        k8s,
+        k8s_managed_plane,
+        managed_kubelet_nodes,
+        trainer_python=trainer_python,
+        etcd=etcd,
+        processes=processes,
+        tmp_path=tmp_path,
+        steps=STEPS_TO_END,
+    )
+    created = {p.metadata.name: p.metadata.uid for p in job.pods()}
+    assert len(created) == WORLD
+
+    def phases() -> dict[str, str]:
+        return {p.metadata.name: p.status.phase for p in job.pods()}
+
+    def ended(found: dict[str, str]) -> bool:
+        if "Failed" in found.values():
+            pytest.fail(f"a worker's pod failed: {found}", pytrace=False)
+        return len(found) == WORLD and set(found.values()) == {"Succeeded"}
+
+    wait_for("every worker's pod Succeeded", phases, ended, timeout=END)
+    done = job.pods()
+    assert {p.metadata.name: p.metadata.uid for p in done} == created, "a pod was replaced"
+    for pod in done:
+        [status] = pod.status.container_statuses
+        assert status.state.terminated is not None
+        assert status.state.terminated.exit_code == 0
+        assert not (pod.metadata.annotations or {}).get(REPLACES_ANNOTATION)
+    last = [r for r in job.logs.reports() if r.event == "step"]
+    assert max(r.step for r in last) == STEPS_TO_END
+    # A restart after the end would start a trainer again: it prints "start" once more.
+    finished_at = max(r.t for r in last if r.step == STEPS_TO_END)
+    again = [r for r in job.logs.reports() if r.event == "start" and r.t > finished_at]
+    assert not again, f"trainers started again after the job ended: {again}"
+    objects = client.CustomObjectsApi(k8s.api)
+    policy = objects.get_namespaced_custom_object(GROUP, VERSION, k8s.namespace, PLURAL, JOB)
+    assert not (policy.get("status") or {}).get("restarts"), policy.get("status")
 
 
 @pytest.mark.timeout(1500)
@@ -431,35 +559,20 @@ def test_training_keeps_going_through_faults(  # noqa: PLR0917 - fixtures
 ) -> None:
     k8s = k8s_managed
     ns = k8s.namespace
-    workdir = tmp_path / "train"
-    (workdir / "checkpoints").mkdir(parents=True)
-    (workdir / "home").mkdir()
-
-    nodes = {}
-    for _ in range(WORLD):
-        node = managed_kubelet_nodes(exec_mode=True)
-        k8s.core.patch_node(
-            node.name, {"metadata": {"labels": {POOL_LABEL: ns}}}, _content_type=MERGE
-        )
-        nodes[node.name] = node
-    logs = TrainerLogs(list(nodes.values()))
-
-    restarter, agents = start_restarter_and_agents(
-        k8s, k8s_managed_plane, nodes, tmp_path, processes
+    started = time.time()
+    job = start_job(
+        k8s,
+        k8s_managed_plane,
+        managed_kubelet_nodes,
+        trainer_python=trainer_python,
+        etcd=etcd,
+        processes=processes,
+        tmp_path=tmp_path,
     )
-    objects = client.CustomObjectsApi(k8s.api)
-    objects.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, policy_body(ns))
-    job = Job(k8s, nodes, agents, restarter, logs, workdir)
+    logs = job.logs
+    restarter = job.restarter
 
     # --- training makes progress with world size 3 -------------------------------------------
-    started = time.time()
-    for index, node_name in enumerate(nodes):
-        k8s.core.create_namespaced_pod(
-            ns,
-            worker_pod(
-                index, node=node_name, pool=ns, python=trainer_python, etcd=etcd, workdir=workdir
-            ),
-        )
     wait_for(
         f"training at world size {WORLD}",
         logs.reports,
