@@ -63,6 +63,7 @@ def written(inventory: Inventory, settings: Settings) -> set[str]:
 def every_written_key() -> set[str]:
     driver = {"driver_version": "580.159.04", "cuda_driver_version": "13.0"}
     gpu = {"compute_capability": "8.0", "mig_mode": "enabled"}
+    gpu |= {"pci_class": "0x030200", "vgpu": "false"}  # what sysfs shows a privileged agent
     mixed = Inventory(
         "node",
         (

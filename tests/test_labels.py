@@ -14,11 +14,13 @@ from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from edl_agent.config import NodeSettings, Settings, load_settings
+from edl_agent.devices import nvidia as nvidia_discovery
+from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.model import Device, Health, Inventory, Vendor, VendorReport
 from edl_agent.health.model import Level
 from edl_agent.health.tracker import Condition
 from edl_agent.kube import KubeConfigError, api_client
-from edl_agent.labels.compute import gpu_family, label_value, node_labels
+from edl_agent.labels.compute import gpu_family, gpu_mode, label_value, node_labels
 from edl_agent.labels.condition import (
     MAX_MESSAGE,
     AcceleratorHealth,
@@ -40,6 +42,9 @@ from edl_agent.labels.features import write_features_file
 from edl_agent.labels.node import NodeUpdater
 from edl_agent.labels.ownership import OUR_PREFIXES, OWNED_LABELS, label_patch
 from edl_agent.rate_limit import TokenBucket
+from edl_agent.sim.nvidia_tree import PCI_CLASS_3D, PCI_CLASS_VGA
+from edl_agent.sim.profile import load_profile
+from edl_agent.sim.tree import build_tree
 
 VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
 KEY = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
@@ -48,7 +53,8 @@ NVIDIA_DRIVER = {"driver_version": "550.90.07", "cuda_driver_version": "12.4"}
 
 
 def gpu(i: int, product: str = "NVIDIA H100 80GB HBM3", **attributes: str) -> Device:
-    attrs = {"compute_capability": "9.0", "mig_mode": "disabled", **attributes}
+    attrs = {"compute_capability": "9.0", "mig_mode": "disabled", "pci_class": "0x030200",
+             "vgpu": "false", **attributes}  # fmt: skip
     return Device(Vendor.NVIDIA, "gpu", i, f"GPU-{i}", product, 81559, attributes=attrs)
 
 
@@ -151,8 +157,16 @@ def test_dgx_h100_labels() -> None:
         "nvidia.com/cuda.runtime-version.major": "12",
         "nvidia.com/cuda.runtime-version.minor": "4",
         "nvidia.com/cuda.runtime-version.full": "12.4",
+        "nvidia.com/cuda.driver.major": "550",
+        "nvidia.com/cuda.driver.minor": "90",
+        "nvidia.com/cuda.driver.rev": "07",
+        "nvidia.com/cuda.runtime.major": "12",
+        "nvidia.com/cuda.runtime.minor": "4",
+        "nvidia.com/gpu.mode": "compute",
         "nvidia.com/mig.capable": "true",
         "nvidia.com/mig.strategy": "none",
+        "nvidia.com/mps.capable": "false",
+        "nvidia.com/vgpu.present": "false",
     }
 
 
@@ -314,6 +328,165 @@ def test_driver_versions(driver: dict[str, str], expected: dict[str, str]) -> No
         assert labels["nvidia.com/cuda.runtime-version.full"] == expected["runtime"]
     else:
         assert not [k for k in labels if k.startswith(prefix)]
+
+
+@pytest.mark.parametrize(
+    "driver",
+    [
+        {"driver_version": "550.90.07", "cuda_driver_version": "12.4"},
+        {"driver_version": "535.183", "cuda_driver_version": "12.10"},
+        {"driver_version": "weird"},
+    ],
+)
+def test_gfd_older_version_labels_repeat_the_newer_ones(driver: dict[str, str]) -> None:
+    labels = labels_of(inventory(VendorReport(Vendor.NVIDIA, (gpu(0),), driver)))
+    older = {
+        "cuda.driver.major": "cuda.driver-version.major",
+        "cuda.driver.minor": "cuda.driver-version.minor",
+        "cuda.driver.rev": "cuda.driver-version.revision",
+        "cuda.runtime.major": "cuda.runtime-version.major",
+        "cuda.runtime.minor": "cuda.runtime-version.minor",
+    }
+    assert {old: labels.get(f"nvidia.com/{old}") for old in older} == {
+        old: labels.get(f"nvidia.com/{new}") for old, new in older.items()
+    }
+    assert ("nvidia.com/cuda.driver.rev" in labels) == ("." in driver["driver_version"])
+
+
+# --- gpu.mode, mps.capable, vgpu.present ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("classes", "mode"),
+    [
+        (["0x030200"] * 8, "compute"),
+        (["0x030000", "0x030000"], "graphics"),
+        (["0x30200"], "compute"),
+        (["0x030200", "0x030000"], "unknown"),  # GPUs in both modes
+        (["0x030200", None], "unknown"),  # one class file unreadable
+        (["0x030201"], "unknown"),  # the whole class code counts, programming interface too
+        (["0x068000"], "unknown"),  # another class (an NVSwitch's)
+        (["3D controller"], "unknown"),
+        ([None], "unknown"),
+        ([], "unknown"),
+    ],
+)
+def test_gpu_mode_from_pci_classes(classes: list[str | None], mode: str) -> None:
+    assert gpu_mode(classes) == mode
+
+
+def test_gpu_mode_looks_at_every_gpu_not_only_the_most_common_model() -> None:
+    inv = inventory(nvidia(gpu(0), gpu(1), gpu(2, "NVIDIA RTX A6000", pci_class="0x030000")))
+    assert labels_of(inv)["nvidia.com/gpu.mode"] == "unknown"
+    assert labels_of(inventory(nvidia(gpu(0))))["nvidia.com/gpu.mode"] == "compute"
+
+
+@pytest.mark.parametrize(
+    ("found", "present"),
+    [
+        (["false", "false"], "false"),
+        (["false", "true"], "true"),
+        (["true", None], None),  # one configuration space not read whole: GFD writes nothing
+        ([None, None], None),
+    ],
+)
+def test_vgpu_present_needs_every_gpu_read(found: list[str | None], present: str | None) -> None:
+    def one(i: int, vgpu: str | None) -> Device:
+        device = gpu(i)
+        attributes = {k: v for k, v in device.attributes.items() if k != "vgpu"}
+        return dataclasses.replace(device, attributes=attributes | ({"vgpu": vgpu} if vgpu else {}))
+
+    labels = labels_of(inventory(nvidia(*(one(i, v) for i, v in enumerate(found)))))
+    assert labels.get("nvidia.com/vgpu.present") == present
+
+
+def test_mps_is_never_capable_without_mps_sharing() -> None:
+    for strategy in ("none", "single", "mixed"):
+        settings = load_settings(overrides={"nvidia": {"mig_strategy": strategy}})
+        assert labels_of(a100_mig_node(["1g.10gb"]), settings)["nvidia.com/mps.capable"] == "false"
+    settings = load_settings(overrides={"sharing": [{"resource": "nvidia.com/gpu", "replicas": 4}]})
+    assert labels_of(inventory(nvidia(gpu(0))), settings)["nvidia.com/mps.capable"] == "false"
+
+
+def capability(kind: int, payload: bytes = b"") -> bytes:
+    """A PCI capability: its id, a next pointer (filled in by `config_space`), its length."""
+    return bytes([kind, 0, 3 + len(payload)]) + payload
+
+
+def config_space(*capabilities: bytes, size: int = 256, pci_class: int = PCI_CLASS_3D) -> bytes:
+    """A GPU's PCI configuration space with `capabilities` linked in order from 0x60, 0x20
+    bytes apart."""
+    space = bytearray(size)
+    space[0:2] = (0x10DE).to_bytes(2, "little")
+    space[9:12] = pci_class.to_bytes(3, "little")
+    if capabilities:
+        space[0x06] = 0x10
+        space[0x34] = 0x60
+    for i, body in enumerate(capabilities):
+        at = 0x60 + 0x20 * i
+        space[at : at + len(body)] = body
+        space[at + 1] = at + 0x20 if i + 1 < len(capabilities) else 0
+    return bytes(space)
+
+
+POWER, MSI, EXPRESS, VENDOR = (capability(k, b"\x03\x00") for k in (0x01, 0x05, 0x10, 0x09))
+VGPU = capability(0x09, b"VF\x01\x04\x00\x00")
+LOOP = bytearray(config_space(POWER, MSI))
+LOOP[0x81] = 0x60  # MSI points back to the first capability
+
+
+@pytest.mark.parametrize(
+    ("config", "vgpu"),
+    [
+        (config_space(POWER, MSI, EXPRESS, VGPU), True),
+        (config_space(VGPU, size=4096), True),  # PCIe's extended space read too
+        (config_space(POWER, MSI, EXPRESS, VENDOR), False),  # vendor-specific, not a vGPU's
+        (config_space(POWER, MSI, EXPRESS), False),
+        (config_space(), False),  # no capability list
+        (config_space(VENDOR, VGPU), False),  # only the first vendor-specific one is read
+        (config_space(capability(0xFF), VGPU), False),  # a broken chain ends the walk
+        (bytes(LOOP), False),
+        (config_space(POWER, VGPU)[:64], None),  # the header only: sysfs without CAP_SYS_ADMIN
+        (b"", None),
+    ],
+)
+def test_vgpu_signature_in_the_pci_configuration_space(config: bytes, vgpu: bool | None) -> None:
+    assert nvidia_discovery.vgpu_signature(config) is vgpu
+
+
+def simulated_labels(root: Path) -> dict[str, str]:
+    report = nvidia_discovery.discover(HostRoot.at(root))
+    assert report is not None
+    assert report.error is None
+    return labels_of(inventory(report))
+
+
+def test_a_simulated_dgx_h100_reads_its_gpus_mode_and_vgpu_from_sysfs(tmp_path: Path) -> None:
+    build_tree(load_profile("dgx-h100"), tmp_path)
+    devices = sorted((tmp_path / "sys/bus/pci/devices").iterdir())
+    assert len(devices) == 8
+    labels = simulated_labels(tmp_path)
+    assert labels["nvidia.com/gpu.mode"] == "compute"
+    assert labels["nvidia.com/mps.capable"] == "false"
+    # As the agent runs by default, sysfs shows it only the configuration space's header.
+    assert "nvidia.com/vgpu.present" not in labels
+
+    for device in devices:
+        (device / "config").write_bytes(config_space(POWER, MSI, EXPRESS, VENDOR))
+    assert simulated_labels(tmp_path)["nvidia.com/vgpu.present"] == "false"
+    (devices[5] / "config").write_bytes(config_space(POWER, MSI, EXPRESS, VGPU))
+    assert simulated_labels(tmp_path)["nvidia.com/vgpu.present"] == "true"
+    (devices[5] / "config").unlink()
+    assert "nvidia.com/vgpu.present" not in simulated_labels(tmp_path)
+
+    for device in devices:
+        (device / "class").write_text(f"0x{PCI_CLASS_VGA:06x}\n", encoding="utf-8")
+    assert simulated_labels(tmp_path)["nvidia.com/gpu.mode"] == "graphics"
+    (devices[2] / "class").write_text(f"0x{PCI_CLASS_3D:06x}\n", encoding="utf-8")
+    assert simulated_labels(tmp_path)["nvidia.com/gpu.mode"] == "unknown"
+    for device in devices:
+        (device / "class").unlink()
+    assert simulated_labels(tmp_path)["nvidia.com/gpu.mode"] == "unknown"
 
 
 @given(

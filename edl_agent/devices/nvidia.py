@@ -1,4 +1,5 @@
-"""NVIDIA discovery through NVML: GPUs, MIG devices, NVLink peers and NUMA placement.
+"""NVIDIA discovery through NVML: GPUs, MIG devices, NVLink peers and NUMA placement, and
+from sysfs each GPU's PCI class and whether it is a vGPU.
 
 NVML is loaded from the host root (the driver's `libnvidia-ml.so.1`, or a simulated node's
 fake one) by handing pynvml a ctypes handle before `nvmlInit`. pynvml keeps that handle and a
@@ -211,6 +212,7 @@ def _read_gpu(root: HostRoot, index: int, errors: list[str]) -> _Gpu:
     serial = _optional(pynvml.nvmlDeviceGetSerial, handle)
     if serial:
         attributes["serial"] = _text(serial)
+    attributes |= pci_facts(root, pci_bus_id)
     gpu = Device(
         vendor=Vendor.NVIDIA,
         kind="gpu",
@@ -287,6 +289,58 @@ def mig_profile(name: str) -> str | None:
     if not found or not profile.strip():
         return None
     return profile.strip()
+
+
+PCI_CONFIG_SIZE = 256  # the standard configuration space; PCIe's extended one follows it
+_STATUS, _STATUS_CAPABILITIES = 0x06, 0x10
+_CAPABILITIES_POINTER = 0x34
+_VENDOR_CAPABILITY = 0x09
+_VGPU_SIGNATURE = b"VF"
+
+
+def pci_facts(root: HostRoot, bus_id: str) -> dict[str, str]:
+    """What sysfs says of a GPU's PCI function: `pci_class` (the class code as sysfs writes it,
+    `0x030200` for a 3D controller, `0x030000` for a VGA one) and `vgpu` (`true` when its
+    configuration space carries NVIDIA's vGPU signature). Each is left out when it cannot be
+    read: `vgpu` needs the whole configuration space, which sysfs gives only to readers with
+    CAP_SYS_ADMIN (others get its first 64 bytes)."""
+    device = f"/sys/bus/pci/devices/{bus_id}"
+    facts: dict[str, str] = {}
+    pci_class = root.read_optional(f"{device}/class")
+    if pci_class:
+        facts["pci_class"] = pci_class
+    try:
+        with root.path(f"{device}/config").open("rb") as file:
+            config = file.read(PCI_CONFIG_SIZE)
+    except OSError:
+        return facts
+    vgpu = vgpu_signature(config)
+    if vgpu is not None:
+        facts["vgpu"] = str(vgpu).lower()
+    return facts
+
+
+def vgpu_signature(config: bytes) -> bool | None:
+    """Whether a PCI configuration space is a vGPU's: its first vendor-specific capability
+    holds `VF` in the two bytes after its header (id, next, length). None when the space is
+    shorter than its standard 256 bytes."""
+    if len(config) < PCI_CONFIG_SIZE:
+        return None
+    if not config[_STATUS] & _STATUS_CAPABILITIES:
+        return False
+    seen: set[int] = set()
+    position = config[_CAPABILITIES_POINTER] & 0xFC
+    # Capabilities live after the 64-byte header; a pointer seen twice is a loop.
+    while 0x40 <= position <= PCI_CONFIG_SIZE - 3 and position not in seen:
+        seen.add(position)
+        capability, following, length = config[position : position + 3]
+        if capability == 0xFF:
+            return False
+        if capability == _VENDOR_CAPABILITY:
+            body = config[position : position + length]
+            return body[3:5] == _VGPU_SIGNATURE
+        position = following & 0xFC
+    return False
 
 
 def _nvlink_remotes(handle: Any, index: int, errors: list[str]) -> tuple[str, ...]:

@@ -27,13 +27,27 @@ NVIDIA labels as GPU Feature Discovery writes them, when the node has NVIDIA GPU
 `nvidia.com/gpu.product` (`-SHARED` appended when time-slicing replicas replace the GPUs under
 the same resource name), `gpu.count`, `gpu.memory` (MiB), `gpu.replicas`,
 `gpu.sharing-strategy` (`none` or `time-slicing`), `gpu.family`, `gpu.compute.major`,
-`gpu.compute.minor`, `gpu.machine`, `cuda.driver-version.{major,minor,revision,full}`,
-`cuda.runtime-version.{major,minor,full}`, `mig.capable`, `mig.strategy`; with the `single` MIG
-strategy `gpu.product` names the MIG profile (`...-MIG-1g.10gb`, or `...-MIG-INVALID` with count
-0 when the GPUs do not form one profile), with `mixed` each profile gets
-`nvidia.com/mig-<profile>.{product,count,memory,replicas}`. As in GFD, `gpu.*` describe the most
-common GPU model and `gpu.count` counts the GPUs of that model. GFD's `gfd.timestamp` is left out
-on purpose: it would change the Node on every resync for no scheduling value.
+`gpu.compute.minor`, `gpu.machine`, `gpu.mode`, `cuda.driver-version.{major,minor,revision,full}`,
+`cuda.runtime-version.{major,minor,full}`, GFD's older names for the same versions
+`cuda.driver.{major,minor,rev}` and `cuda.runtime.{major,minor}`, `mig.capable`, `mig.strategy`,
+`mps.capable`, `vgpu.present`; with the `single` MIG strategy `gpu.product` names the MIG profile
+(`...-MIG-1g.10gb`, or `...-MIG-INVALID` with count 0 when the GPUs do not form one profile), with
+`mixed` each profile gets `nvidia.com/mig-<profile>.{product,count,memory,replicas}`. As in GFD,
+`gpu.*` describe the most common GPU model and `gpu.count` counts the GPUs of that model, while
+`gpu.mode`, `mig.capable` and `vgpu.present` look at every GPU:
+
+- `gpu.mode`: from the GPUs' PCI class codes, `compute` when all are 3D controllers (`0x030200`),
+  `graphics` when all are VGA controllers (`0x030000`), `unknown` when they differ, are something
+  else or could not be read.
+- `mps.capable`: GFD writes `true` only when MPS sharing is configured; this agent offers no MPS
+  sharing, so it is always `false`.
+- `vgpu.present`: `true` when a GPU's PCI configuration space carries the vGPU signature,
+  `false` when none does; not written when a GPU's configuration space could not be read whole
+  (sysfs shows readers without CAP_SYS_ADMIN only its first 64 bytes), as GFD then writes none.
+
+GFD's `gfd.timestamp` is left out on purpose: it would change the Node on every resync for no
+scheduling value; so are `vgpu.host-driver-version` and `vgpu.host-driver-branch`, the
+hypervisor's driver as a vGPU guest sees it, which no scheduling decision needs.
 """
 
 from __future__ import annotations
@@ -60,6 +74,8 @@ _FAMILIES = {
     1: "tesla", 2: "fermi", 3: "kepler", 5: "maxwell", 6: "pascal",
     9: "hopper", 10: "blackwell", 12: "blackwell",
 }  # fmt: skip
+# PCI class codes (base class, subclass, programming interface) → GFD's `gpu.mode`.
+_GPU_MODES = {0x030200: "compute", 0x030000: "graphics"}
 
 
 def label_value(text: str, *, limit: int = MAX_VALUE, default: str = UNKNOWN) -> str:
@@ -171,6 +187,9 @@ def nvidia_labels(
         f"{NVIDIA}gpu.machine": label_value(machine or UNKNOWN),
         f"{NVIDIA}mig.capable": str(any(_mig_capable(d) for d in gpus)).lower(),
         f"{NVIDIA}mig.strategy": strategy,
+        f"{NVIDIA}gpu.mode": gpu_mode([d.attributes.get("pci_class") for d in gpus]),
+        f"{NVIDIA}mps.capable": "false",  # no MPS sharing here: what GFD writes without it
+        **_vgpu_labels(gpus),
         f"{NVIDIA}gpu.sharing-strategy": "time-slicing" if rule and rule.replicas else "none",
         **_driver_labels(report.driver),
         **_compute_labels(members[0].attributes.get("compute_capability", "")),
@@ -201,6 +220,31 @@ def nvidia_labels(
                 )
             )
     return labels
+
+
+def gpu_mode(pci_classes: Sequence[str | None]) -> str:
+    """GFD's `gpu.mode` from the PCI class codes of every GPU (`0x030200`, as sysfs writes them;
+    None for one that could not be read)."""
+    codes = {_pci_class(text) for text in pci_classes}
+    if len(codes) != 1:
+        return UNKNOWN
+    (code,) = codes
+    return _GPU_MODES.get(code, UNKNOWN) if code is not None else UNKNOWN
+
+
+def _pci_class(text: str | None) -> int | None:
+    try:
+        return int(text.strip(), 0) if text else None
+    except ValueError:
+        return None
+
+
+def _vgpu_labels(gpus: Sequence[Device]) -> dict[str, str]:
+    """`vgpu.present`, when every GPU's configuration space could be read."""
+    found = [gpu.attributes.get("vgpu") for gpu in gpus]
+    if not all(value in ("true", "false") for value in found):
+        return {}
+    return {f"{NVIDIA}vgpu.present": str("true" in found).lower()}
 
 
 def _mig_capable(gpu: Device) -> bool:
@@ -269,11 +313,16 @@ def _driver_labels(driver: Mapping[str, str]) -> dict[str, str]:
         prefix = f"{NVIDIA}cuda.driver-version."
         labels |= {f"{prefix}major": major, f"{prefix}minor": minor}
         labels |= {f"{prefix}revision": revision, f"{prefix}full": version}
+        old = f"{NVIDIA}cuda.driver."  # GFD's older names, still written beside the new ones
+        labels |= {f"{old}major": major, f"{old}minor": minor, f"{old}rev": revision}
     cuda = re.fullmatch(r"(\d+)\.(\d+)", driver.get("cuda_driver_version", ""))
     if cuda is not None:
+        major, minor = str(int(cuda.group(1))), str(int(cuda.group(2)))
         prefix = f"{NVIDIA}cuda.runtime-version."
-        labels |= {f"{prefix}major": cuda.group(1), f"{prefix}minor": cuda.group(2)}
-        labels[f"{prefix}full"] = f"{int(cuda.group(1))}.{int(cuda.group(2))}"
+        labels |= {f"{prefix}major": major, f"{prefix}minor": minor}
+        labels[f"{prefix}full"] = f"{major}.{minor}"
+        old = f"{NVIDIA}cuda.runtime."
+        labels |= {f"{old}major": major, f"{old}minor": minor}
     return labels
 
 

@@ -78,7 +78,8 @@ def write(spec: NvidiaSpec, profile: Profile, root: Path) -> None:
         sysfs = f"/sys/bus/pci/devices/{gpu.bus_id}"
         write_file(root, f"{sysfs}/numa_node", f"{gpu.numa_node}\n")
         write_file(root, f"{sysfs}/vendor", "0x10de\n")
-        write_file(root, f"{sysfs}/class", "0x030200\n")
+        write_file(root, f"{sysfs}/class", f"0x{PCI_CLASS_3D:06x}\n")
+        write_file(root, f"{sysfs}/config").write_bytes(pci_config_header(PCI_CLASS_3D))
     for node in CONTROL_NODES:
         write_file(root, node, mode=0o666)
     write_file(root, SMI, SMI_SCRIPT, mode=0o755)
@@ -87,6 +88,23 @@ def write(spec: NvidiaSpec, profile: Profile, root: Path) -> None:
         "/proc/driver/nvidia/version",
         f"NVRM version: NVIDIA UNIX x86_64 Kernel Module  {spec.driver_version}  (simulated)\n",
     )
+
+
+PCI_CLASS_3D = 0x030200  # a 3D controller: a data-centre GPU, or any GPU in compute mode
+PCI_CLASS_VGA = 0x030000  # a VGA controller: a GPU in graphics mode
+PCI_HEADER_SIZE = 64
+
+
+def pci_config_header(pci_class: int, *, capabilities: int = 0x60) -> bytes:
+    """A GPU's PCI configuration space as sysfs shows it to a reader without CAP_SYS_ADMIN, the
+    agent's default: the 64-byte header only (NVIDIA's vendor id, the class code, a status
+    saying a capability list starts at `capabilities`), so nothing after it can be read."""
+    header = bytearray(PCI_HEADER_SIZE)
+    header[0:2] = (0x10DE).to_bytes(2, "little")
+    header[6] = 0x10  # status: capability list present
+    header[9:12] = pci_class.to_bytes(3, "little")  # programming interface, subclass, class
+    header[0x34] = capabilities
+    return bytes(header)
 
 
 SMI = "/usr/bin/nvidia-smi"
