@@ -75,7 +75,7 @@ from edl_agent.restarter.auth import (
 )
 from edl_agent.restarter.evidence import Check, Outcome, check_exit, check_pod
 from edl_agent.restarter.metrics import IntakeCounts
-from edl_agent.restarter.peer_gate import PeerGate, abstract_name
+from edl_agent.restarter.peer_gate import PeerGate
 from edl_agent.restarter.server_tls import CertificateError, ReloadingCertificate
 from edl_agent.runtime import heap
 from edl_agent.runtime.bounded import BoundedMap, BoundedSet
@@ -470,11 +470,17 @@ class IntakeServer:
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE, {"Report": report}),)
         )
-        # Behind the gate, grpc listens where only the gate reaches.
-        hidden = abstract_name() if self._per_peer else None
-        address = f"unix-abstract:{hidden}" if hidden else self.listen
         gate = None
         try:
+            if self._per_peer:
+                gate = PeerGate(
+                    listen=self.listen,
+                    per_peer=self._per_peer,
+                    total=self._max_connections,
+                    on_refused=self.intake.refuse_connection,
+                )
+            # Behind the gate, grpc listens where only the gate reaches.
+            address = f"unix:{gate.target}" if gate is not None else self.listen
             if self._tls is None:
                 if not is_loopback(self.listen):
                     log.warning("fault intake without TLS: tokens cross the network in clear")
@@ -482,20 +488,17 @@ class IntakeServer:
             else:
                 self.certificate = ReloadingCertificate(*self._tls)
                 port = server.add_secure_port(address, self.certificate.credentials())
-            if hidden and port:
-                gate = PeerGate(
-                    listen=self.listen,
-                    target=hidden,
-                    per_peer=self._per_peer,
-                    total=self._max_connections,
-                    on_refused=self.intake.refuse_connection,
-                )
+            if gate is not None and port:
                 port = gate.port
         except (OSError, RuntimeError, CertificateError, ValueError) as exc:
+            if gate is not None:
+                gate.stop()
             executor.shutdown(wait=False)
             msg = f"cannot serve the fault intake on {self.listen}: {exc}"
             raise IntakeError(msg) from None
         if not port:
+            if gate is not None:
+                gate.stop()
             executor.shutdown(wait=False)
             msg = f"cannot serve the fault intake on {self.listen}"
             raise IntakeError(msg)
