@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import os
 import re
 import threading
 import time
@@ -43,7 +42,7 @@ from google.protobuf import json_format  # type: ignore[import-untyped]
 from edl_agent._proto.edl.fault.v1 import fault_pb2
 from edl_agent.faults.convert import InvalidFault, from_proto, to_proto
 from edl_agent.faults.model import Fault
-from edl_agent.runtime.durable import fsync_directory
+from edl_agent.runtime.durable import write_atomically
 
 log = structlog.get_logger(__name__)
 
@@ -281,12 +280,7 @@ class Outbox:
             to_proto(fault), preserving_proto_field_name=True, indent=None
         )
         try:
-            with temp.open("w", encoding="utf-8") as file:
-                file.write(text + "\n")
-                file.flush()
-                os.fsync(file.fileno())
-            temp.rename(path)
-            fsync_directory(self.directory)
+            write_atomically(path, text + "\n", temporary=temp)
         except OSError as exc:
             self._counts["write_errors"] += 1
             if not self._writing_fails:

@@ -4,17 +4,29 @@ Horovod's `--host-discovery-script` reads them (see `decide` for what is left ou
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
+import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING
 
 from edl_agent.errors import Unavailable, UsageError
 from edl_agent.kube_errors import ApiError
+
+if TYPE_CHECKING:
+    from edl_agent.hosts.decide import HostRules, Snapshot
 
 # Where a pod finds its own namespace (beside the service account's token).
 SERVICE_NAMESPACE_FILENAME = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 # (connect, read) seconds of each request: a launcher runs the discovery every second and waits
 # for it; a server that does not answer in time is a failure, not a hang.
 TIMEOUT = (5.0, 10.0)
+# --timeout: the whole run's bound. A server that trickles its answer keeps each read within the
+# read timeout and the run going for ever; the launcher waits for the script every time.
+DEFAULT_DEADLINE_SECONDS = 30.0
 BAD_REQUEST = 400
 FORBIDDEN = 403
 
@@ -30,8 +42,8 @@ host: the pod's IPv4 address; with --dns `<hostname>.<subdomain>` for pods that 
 slots: --slots N, else --slots-from label:KEY or annotation:KEY, else the accelerators the pod
 holds (limits of accelerator resources, devices of its ResourceClaims); a pod with no count is
 printed without `:slots`, so the launcher's default applies. Nothing fit: empty output, exit 0.
-Exit 1 with one line on stderr when the API server cannot be reached or refuses (nothing is
-known), exit 2 for bad input.
+Exit 1 with one line on stderr when the API server cannot be reached, refuses, or has not
+answered in full within --timeout (nothing is known), exit 2 for bad input.
 """
 
 EPILOG = """\
@@ -98,6 +110,14 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "only once the node controller marks them not Ready",
     )
     parser.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=DEFAULT_DEADLINE_SECONDS,
+        metavar="SECONDS",
+        help=f"give up after this long in all, however slowly the API server answers (default "
+        f"{DEFAULT_DEADLINE_SECONDS:g}): exit 1",
+    )
+    parser.add_argument(
         "--explain",
         action="store_true",
         help="also say on stderr which pods were left out and why",
@@ -108,9 +128,6 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def run(args: argparse.Namespace) -> int:
     from edl_agent import log
     from edl_agent.hosts.decide import HostRules, SlotRule, discover_hosts
-    from edl_agent.hosts.read import read_snapshot
-    from edl_agent.kube import KubeConfigError
-    from edl_agent.kube_rest import connect
 
     log.configure("warning")  # stdout is the launcher's: anything logged goes to stderr
     namespace = args.namespace or default_namespace(Path(SERVICE_NAMESPACE_FILENAME))
@@ -120,6 +137,28 @@ def run(args: argparse.Namespace) -> int:
             fixed=args.slots, source=args.slots_from, resources=frozenset(args.resource)
         ),
     )
+    try:
+        with _deadline(args.timeout):
+            snapshot = _read(args, namespace, rules)
+    except _Overdue:
+        msg = f"no full answer from the API server within {args.timeout:g} s (--timeout)"
+        raise Unavailable(msg) from None
+    hosts = discover_hosts(snapshot, rules)
+    for note in hosts.notes:
+        print(f"edl-agent hosts: {note}", file=sys.stderr)
+    if args.explain:
+        for pod in hosts.left_out:
+            print(f"edl-agent hosts: left out {pod.pod}: {pod.reason}", file=sys.stderr)
+    if hosts.lines:
+        print("\n".join(hosts.lines), flush=True)
+    return 0
+
+
+def _read(args: argparse.Namespace, namespace: str, rules: HostRules) -> Snapshot:
+    from edl_agent.hosts.read import read_snapshot
+    from edl_agent.kube import KubeConfigError
+    from edl_agent.kube_rest import connect
+
     try:
         api = connect(args.kubeconfig or "", timeout=TIMEOUT, name="--kubeconfig")
     except KubeConfigError as exc:
@@ -139,15 +178,29 @@ def run(args: argparse.Namespace) -> int:
         raise _failure(exc, namespace) from None
     finally:
         api.close()
-    hosts = discover_hosts(snapshot, rules)
-    for note in hosts.notes:
-        print(f"edl-agent hosts: {note}", file=sys.stderr)
-    if args.explain:
-        for pod in hosts.left_out:
-            print(f"edl-agent hosts: left out {pod.pod}: {pod.reason}", file=sys.stderr)
-    if hosts.lines:
-        print("\n".join(hosts.lines), flush=True)
-    return 0
+    return snapshot
+
+
+class _Overdue(BaseException):
+    """--timeout has passed. Not an Exception: no client library's handler for a failed request
+    may take it for one."""
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float) -> Iterator[None]:
+    """Raise `_Overdue` in the block once `seconds` have passed, wherever it waits (a read, a TLS
+    handshake, a credential plugin): a signal reaches them all, in the main thread."""
+
+    def overdue(_signum: int, _frame: FrameType | None) -> None:
+        raise _Overdue
+
+    previous = signal.signal(signal.SIGALRM, overdue)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def default_namespace(path: Path) -> str:
@@ -176,6 +229,17 @@ def _selector(text: str) -> str:
         msg = "an empty selector would select every pod of the namespace"
         raise argparse.ArgumentTypeError(msg)
     return text.strip()
+
+
+def _seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        msg = f"{text!r} is not a positive number of seconds"
+        raise argparse.ArgumentTypeError(msg)
+    return seconds
 
 
 def _positive(text: str) -> int:

@@ -11,6 +11,8 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from edl_agent.runtime.durable import write_atomically
+
 
 def features_text(labels: Mapping[str, str]) -> str:
     return "".join(f"{key}={value}\n" for key, value in sorted(labels.items()))
@@ -26,8 +28,5 @@ def write_features_file(path: str | os.PathLike[str], labels: Mapping[str, str])
             return False
     except FileNotFoundError:
         pass
-    target.parent.mkdir(parents=True, exist_ok=True)
-    temporary = target.with_name(f".{target.name}.tmp")
-    temporary.write_text(text, encoding="utf-8")
-    temporary.replace(target)
+    write_atomically(target, text, temporary=target.with_name(f".{target.name}.tmp"))
     return True

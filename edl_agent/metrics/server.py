@@ -1,15 +1,22 @@
 """The metrics HTTP server: /metrics from a registry of our own, /healthz and /readyz.
 
-It runs on its own daemon thread and answers each request on a thread of its own, so a slow
+It runs on its own daemon thread and answers each connection on a thread of its own, so a slow
 scrape never holds up a probe. /healthz answers 200 for as long as the process serves;
 /readyz asks the `ready` callable and answers 200 or 503 with its reason as the body.
+
+Its bounds: a listen backlog that holds a burst of new connections (kubelet's probes open one
+per probe and give up after a second, shorter than a dropped SYN's retransmit); a connection
+that sends nothing for `idle_timeout` seconds is closed, keep-alive or not; beyond
+`max_connections` open at once a new one is answered 503 and closed, without a thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import socket
 import socketserver
+import sys
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -23,8 +30,13 @@ from prometheus_client.exposition import choose_encoder
 from edl_agent.address import parse_host_port
 from edl_agent.runtime.ending import EndNotice
 
-# Idle keep-alive connections hold a thread each; drop them after this long.
-CONNECTION_TIMEOUT_SECONDS = 60.0
+# Connections waiting to be accepted; the kernel caps it at net.core.somaxconn.
+LISTEN_BACKLOG = 128
+# Each open connection holds a thread: one silent (idle keep-alive, or never a request) for this
+# long is closed. Prometheus reconnects on its next scrape; probes open a new one each time.
+IDLE_TIMEOUT_SECONDS = 5.0
+# Connections served at once; more are turned away (503) rather than each given a thread.
+MAX_CONNECTIONS = 128
 # The serving loop's poll; a stop does not wait for it (`_knock`), so it only bounds a stop whose
 # knock cannot connect. Long, so that an idle agent does not wake for it.
 SHUTDOWN_POLL_SECONDS = 5.0
@@ -53,8 +65,17 @@ def _knock(address: tuple[Any, ...]) -> None:
         pass  # the poll's own end comes soon enough
 
 
+_TOO_MANY = b"too many connections; try again\n"
+_TURNED_AWAY = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
+    b"Content-Length: %d\r\nRetry-After: 1\r\nConnection: close\r\n\r\n%s"
+    % (len(_TOO_MANY), _TOO_MANY)
+)
+
+
 class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = LISTEN_BACKLOG
 
     def __init__(
         self,
@@ -62,8 +83,15 @@ class _HTTPServer(ThreadingHTTPServer):
         port: int,
         handler: type[BaseHTTPRequestHandler],
         app: MetricsServer,
+        *,
+        idle_timeout: float,
+        max_connections: int,
     ) -> None:
         self.app = app
+        self.idle_timeout = idle_timeout
+        self.max_connections = max_connections
+        self.connections = 0
+        self._counting = threading.Lock()
         self.dual_stack = False
         if host:
             family, *_, sockaddr = socket.getaddrinfo(
@@ -87,14 +115,57 @@ class _HTTPServer(ThreadingHTTPServer):
         socketserver.TCPServer.server_bind(self)
         self.server_name, self.server_port = str(self.server_address[0]), self.server_address[1]
 
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """A thread for the connection, or a 503 and close when `max_connections` are open."""
+        with self._counting:
+            admitted = self.connections < self.max_connections
+            if admitted:
+                self.connections += 1
+        if not admitted:
+            with contextlib.suppress(OSError):
+                request.setblocking(False)  # a new connection's send buffer takes it at once
+                request.send(_TURNED_AWAY)
+            self.shutdown_request(request)
+            return
+        thread = threading.Thread(
+            target=self.process_request_thread,
+            args=(request, client_address),
+            name="metrics-connection",
+            daemon=True,
+        )
+        try:
+            thread.start()
+        except BaseException:
+            self._left()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._left()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A connection that broke or went silent is the client's doing: closed without a word
+        (the default prints a traceback to stderr)."""
+        if not isinstance(sys.exc_info()[1], OSError):
+            structlog.get_logger().exception("metrics request failed")
+
+    def _left(self) -> None:
+        with self._counting:
+            self.connections -= 1
+
 
 class _Handler(BaseHTTPRequestHandler):
     server: _HTTPServer
     protocol_version = "HTTP/1.1"
-    timeout = CONNECTION_TIMEOUT_SECONDS
     # Headers and body go out in two writes; with Nagle's algorithm on, a keep-alive client's
     # delayed ACK holds the body back ~40 ms on every scrape.
     disable_nagle_algorithm = True
+
+    def setup(self) -> None:
+        super().setup()
+        self.connection.settimeout(self.server.idle_timeout)
 
     def do_GET(self) -> None:
         self._answer(send_body=True)
@@ -134,7 +205,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 class MetricsServer:
     """Serves `registry` at /metrics on `address` (see `parse_address`); port 0 picks a free
-    port, readable from `port` once started."""
+    port, readable from `port` once started. `idle_timeout` and `max_connections`: see above."""
 
     def __init__(
         self,
@@ -142,10 +213,14 @@ class MetricsServer:
         registry: CollectorRegistry,
         *,
         ready: Readiness = _always_ready,
+        idle_timeout: float = IDLE_TIMEOUT_SECONDS,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         self.host, self._requested_port = parse_address(address)
         self.registry = registry
         self._ready = ready
+        self._idle_timeout = idle_timeout
+        self._max_connections = max_connections
         self._server: _HTTPServer | None = None
         self._thread: threading.Thread | None = None
         self._ends = EndNotice()
@@ -159,6 +234,11 @@ class MetricsServer:
         return int(self._server.server_address[1])
 
     @property
+    def connections(self) -> int:
+        """The connections open now, each held by a thread."""
+        return 0 if self._server is None else self._server.connections
+
+    @property
     def url(self) -> str:
         host = self.host or "127.0.0.1"
         return f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
@@ -167,7 +247,14 @@ class MetricsServer:
         """Bind (raising OSError when the address is taken) and serve on a daemon thread."""
         if self._server is not None:
             return
-        self._server = _HTTPServer(self.host, self._requested_port, _Handler, self)
+        self._server = _HTTPServer(
+            self.host,
+            self._requested_port,
+            _Handler,
+            self,
+            idle_timeout=self._idle_timeout,
+            max_connections=self._max_connections,
+        )
         server = self._server
         self._thread = self._ends.thread(
             lambda: server.serve_forever(poll_interval=SHUTDOWN_POLL_SECONDS), "metrics-http"

@@ -8,6 +8,7 @@ read back one way too: a file that does not decode is set aside and the caller s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable
@@ -17,6 +18,8 @@ from typing import Any, Literal, TypeVar
 import structlog
 
 T = TypeVar("T")
+
+TEMP_SUFFIX = ".tmp"
 
 
 def fsync_directory(directory: Path) -> None:
@@ -28,16 +31,31 @@ def fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-def write_atomically(path: Path, text: str) -> None:
+def write_atomically(path: Path, text: str, *, temporary: Path | None = None) -> None:
     """Replace `path` with `text` (UTF-8), creating its directory when missing; a reader sees the
-    old file or the new one, never a part."""
+    old file or the new one, never a part. The new file's mode is what `open` would give it
+    (0666 less the umask). It is written first at `temporary` (default: `path` with `.tmp`
+    added), in the same directory."""
+    data = text.encode()
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(path.name + ".tmp")
-    with temporary.open("w", encoding="utf-8") as out:
-        out.write(text)
-        out.flush()
-        os.fsync(out.fileno())
-    temporary.replace(path)
+    if temporary is None:
+        temporary = path.with_name(path.name + TEMP_SUFFIX)
+    # Whatever is at the temporary name (a crashed write's leftover, or a link planted to make us
+    # write elsewhere) is unlinked, never followed; the name is then created exclusively, so a
+    # link planted again in between is an error, not a write through it.
+    with contextlib.suppress(FileNotFoundError):
+        temporary.unlink()
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(temporary, flags, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        temporary.replace(path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
     fsync_directory(path.parent)
 
 
