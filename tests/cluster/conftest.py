@@ -30,13 +30,10 @@ from __future__ import annotations
 
 import re
 import secrets
-import shutil
 import subprocess
 import sys
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from kubernetes import client
@@ -51,8 +48,7 @@ for _path in (SCRIPTS, HERE):
 
 import k8sbinaries  # noqa: E402
 import testcluster  # noqa: E402
-import testnode  # noqa: E402
-from k8s_test_helpers import KwokCluster  # noqa: E402
+from k8s_test_helpers import KwokCluster, admin_client  # noqa: E402
 from kube_tools import (  # noqa: E402
     CERT_MANAGER_CRDS,
     PROMETHEUS_OPERATOR_CRDS,
@@ -60,6 +56,7 @@ from kube_tools import (  # noqa: E402
     install_crds,
     kubectl_binary,
 )
+from kubelet_helpers import StartNode, kubelet_node_starter  # noqa: E402
 from scheduler import Process, ProcessError, start_scheduler  # noqa: E402
 
 from tests.conftest import session_owns  # noqa: E402
@@ -119,18 +116,9 @@ def k8s_control_plane(
     assert not left, f"control-plane processes {left} survived the session teardown"
 
 
-def _admin_client(plane: testcluster.ControlPlane) -> client.ApiClient:
-    config = client.Configuration()
-    config.host = plane.server
-    config.ssl_ca_cert = str(plane.ca_file)
-    config.api_key = {"authorization": plane.token}
-    config.api_key_prefix = {"authorization": "Bearer"}
-    return client.ApiClient(config)
-
-
 @pytest.fixture(scope="session")
 def k8s_api_client(k8s_control_plane: testcluster.ControlPlane) -> Iterator[client.ApiClient]:
-    api = _admin_client(k8s_control_plane)
+    api = admin_client(k8s_control_plane)
     yield api
     api.close()
 
@@ -181,7 +169,7 @@ def k8s_managed_plane(
 def k8s_managed_api_client(
     k8s_managed_plane: testcluster.ControlPlane,
 ) -> Iterator[client.ApiClient]:
-    api = _admin_client(k8s_managed_plane)
+    api = admin_client(k8s_managed_plane)
     yield api
     api.close()
 
@@ -200,9 +188,6 @@ def k8s_managed(
     cluster.cleanup()
 
 
-StartNode = Callable[..., testnode.Node]
-
-
 @pytest.fixture
 def kubelet_nodes(k8s_control_plane: testcluster.ControlPlane) -> Iterator[StartNode]:
     """``start(name=None, **options)`` starts one more real kubelet node (Ready, untainted) on the
@@ -211,46 +196,13 @@ def kubelet_nodes(k8s_control_plane: testcluster.ControlPlane) -> Iterator[Start
     /tmp (its sockets must fit 107 bytes) that is removed afterwards with the node's processes,
     mounts and Node object. Fails, never skips, where kubelet nodes cannot run (not root, no
     unshare, no overlayfs)."""
-    yield from _kubelet_nodes(k8s_control_plane)
+    yield from kubelet_node_starter(k8s_control_plane)
 
 
 @pytest.fixture
 def managed_kubelet_nodes(k8s_managed_plane: testcluster.ControlPlane) -> Iterator[StartNode]:
     """``kubelet_nodes`` on the plane with the controller manager."""
-    yield from _kubelet_nodes(k8s_managed_plane)
-
-
-def _kubelet_nodes(plane: testcluster.ControlPlane) -> Iterator[StartNode]:
-    problem = testnode.preflight()
-    if problem is not None:
-        pytest.fail(problem, pytrace=False)
-    absent = k8sbinaries.missing(("kubelet", k8sbinaries.FAKE_CRI))
-    if absent:
-        pytest.fail(
-            f"{', '.join(absent)} missing in {k8sbinaries.bin_dir()}: run scripts/k8s-binaries",
-            pytrace=False,
-        )
-    roots: list[Path] = []
-    nodes: list[testnode.Node] = []
-
-    def start(name: str | None = None, **options: Any) -> testnode.Node:
-        root = Path(tempfile.mkdtemp(prefix="edl-kn-", dir="/tmp"))
-        roots.append(root)
-        try:
-            node = testnode.start_node_on(
-                plane, root, name or f"kn-{secrets.token_hex(3)}", attached=True, **options
-            )
-        except testnode.NodeError as exc:
-            pytest.fail(f"could not start a kubelet node: {exc}", pytrace=False)
-        nodes.append(node)
-        return node
-
-    yield start
-    for node in reversed(nodes):
-        node.stop()
-        assert not node.kubelet_alive(), f"kubelet of {node.name} survived its stop"
-    for root in roots:
-        shutil.rmtree(root, ignore_errors=True)
+    yield from kubelet_node_starter(k8s_managed_plane)
 
 
 @pytest.fixture(scope="session")

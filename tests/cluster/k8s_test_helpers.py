@@ -343,3 +343,13 @@ class KwokCluster:
             lambda exists: not exists,
             timeout=30,
         )
+
+
+def admin_client(plane: Any) -> client.ApiClient:
+    """A client of `plane` (a `testcluster.ControlPlane`) with its admin token."""
+    config = client.Configuration()
+    config.host = plane.server
+    config.ssl_ca_cert = str(plane.ca_file)
+    config.api_key = {"authorization": plane.token}
+    config.api_key_prefix = {"authorization": "Bearer"}
+    return client.ApiClient(config)

@@ -6,16 +6,22 @@ from __future__ import annotations
 
 import contextlib
 import json
+import secrets
+import shutil
 import subprocess
 import sys
+import tempfile
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import grpc
+import k8sbinaries
+import pytest
+import testcluster
 import testnode
 import yaml
 from kubernetes import client
@@ -308,3 +314,42 @@ def resource_health(pod: Any) -> list[tuple[str, str, str]]:
             for device in resource.resources or []:
                 found.append((resource.name, device.resource_id, device.health))
     return found
+
+
+StartNode = Callable[..., testnode.Node]
+
+
+def kubelet_node_starter(plane: testcluster.ControlPlane) -> Iterator[StartNode]:
+    """A fixture's body: ``start(name=None, **options)`` starts a real kubelet node of `plane`
+    (Ready, untainted) in a short directory under /tmp, and every node started is stopped and
+    its directory removed at the end. Fails, never skips, where kubelet nodes cannot run."""
+    problem = testnode.preflight()
+    if problem is not None:
+        pytest.fail(problem, pytrace=False)
+    absent = k8sbinaries.missing(("kubelet", k8sbinaries.FAKE_CRI))
+    if absent:
+        pytest.fail(
+            f"{', '.join(absent)} missing in {k8sbinaries.bin_dir()}: run scripts/k8s-binaries",
+            pytrace=False,
+        )
+    roots: list[Path] = []
+    nodes: list[testnode.Node] = []
+
+    def start(name: str | None = None, **options: Any) -> testnode.Node:
+        root = Path(tempfile.mkdtemp(prefix="edl-kn-", dir="/tmp"))
+        roots.append(root)
+        try:
+            node = testnode.start_node_on(
+                plane, root, name or f"kn-{secrets.token_hex(3)}", attached=True, **options
+            )
+        except testnode.NodeError as exc:
+            pytest.fail(f"could not start a kubelet node: {exc}", pytrace=False)
+        nodes.append(node)
+        return node
+
+    yield start
+    for node in reversed(nodes):
+        node.stop()
+        assert not node.kubelet_alive(), f"kubelet of {node.name} survived its stop"
+    for root in roots:
+        shutil.rmtree(root, ignore_errors=True)
