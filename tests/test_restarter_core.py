@@ -7,7 +7,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -131,6 +130,14 @@ def names(cluster: InMemoryCluster) -> list[str]:
     return [p["metadata"]["name"] for p in cluster.live(NS)]
 
 
+def dispatcher_round(controller: Controller) -> float:
+    """When (on the controller's clock) its dispatcher last looked at the backoffs due."""
+    value = controller.metrics.registry.get_sample_value(
+        "edl_restarter_dispatcher_round_timestamp_seconds"
+    )
+    return value or 0.0
+
+
 def job_entry(cluster: InMemoryCluster, job: str) -> dict[str, Any]:
     status = cluster.policies[(NS, "p")].get("status") or {}
     return next(j for j in status.get("jobs", []) if j["name"] == job)
@@ -173,8 +180,11 @@ def test_the_same_exit_from_the_agent_and_the_watcher_replaces_the_pod_once(
     controller.submit(fault)
     controller.accept(fault)
     wait_until(lambda: names(cluster) == ["a-0-r1"])
-    controller.accept(fault)
-    time.sleep(0.1)
+    with structlog.testing.capture_logs() as logs:
+        controller.accept(fault)  # answered once the dispatcher has judged this copy
+    # Every copy decided about and what was decided done: a second replacement would be here.
+    wait_until(lambda: controller.queue_depth() == 0, what="nothing left in hand")
+    assert [e["fault_id"] for e in logs if e["event"] == "duplicate fault"] == [fault.id]
     assert names(cluster) == ["a-0-r1"]
     assert job_entry(cluster, "a")["restarts"] == 1
 
@@ -232,8 +242,14 @@ def test_a_backoff_is_recorded_and_carried_out_by_the_next_controller_at_its_tim
 
     second = start()
     clock.advance(20)
-    time.sleep(0.5)
+    # The dispatcher has looked at the backoff at this time, and done whatever it found due.
+    looked = clock().timestamp()
+    wait_until(lambda: dispatcher_round(second) >= looked, what="a dispatcher round at +25 s")
+    wait_until(lambda: second.queue_depth() == 0, what="nothing left in hand")
     assert names(cluster) == ["a-0-r1"]  # not before its time
+    assert [b["faultId"] for b in job_entry(cluster, "a")["pendingBackoffs"]] == [
+        exit_fault(replacement).id
+    ]
     clock.advance(11)
     wait_until(lambda: names(cluster) == ["a-0-r2"])
     assert "pendingBackoffs" not in job_entry(cluster, "a")

@@ -13,9 +13,11 @@ became of each task through the `Progress` callback this class implements. A fau
 (and later copies are duplicates) once its decisions are recorded; `accept` waits for that, so
 the intake acknowledges an agent's fault only once the API holds what became of it. Between
 faults the dispatcher ticks: the storm guard, due backoffs, and every `check_every_seconds` the
-restarts recorded but not carried out (`recorded`). The other jobs live in their own modules:
-the policy cache (`policies`), the gone pods' templates (`templates`), the replacements
-(`replacer`), the restarts and backoffs a previous run left (`recorded`).
+restarts recorded but not carried out (`recorded`). The metrics tell when it last ticked (by its
+clock) and how many faults and tasks are in hand, each counted from its arrival until it is
+done. The other jobs live in their own modules: the policy cache (`policies`), the gone pods'
+templates (`templates`), the replacements (`replacer`), the restarts and backoffs a previous run
+left (`recorded`).
 
 Every thread is a part under a `runtime.supervisor.Supervisor`: `parts()` lists the sources'
 (watches, node-grace ticker), the Event writer, the dispatcher and the deciders. `start()` runs
@@ -25,11 +27,10 @@ that dies (a tick that raised) is logged, counted and run again after a backoff.
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Protocol
@@ -134,8 +135,7 @@ class Controller:
         self.recovered = threading.Event()
         self.port, self.pods = port, pods
         self._sources = list(sources)
-        self._queue: queue.Queue[_Item] = queue.Queue()
-        self._busy = 0  # faults and tasks in hand (under _lock)
+        self._queue: queue.Queue[_Item] = queue.Queue()  # each item done once dispatched
         self.metrics.queue_depth.set_function(self.queue_depth)
         self._stopping: threading.Event = StopSignal()
         self.supervisor: Supervisor | None = None
@@ -244,10 +244,11 @@ class Controller:
 
     def queue_depth(self) -> int:
         """Faults waiting for the dispatcher or being dispatched, and pods waiting for a decision
-        or being decided about (a fault in hand is work too: a slow one must show)."""
-        with self._lock:
-            busy = self._busy
-        return self._queue.qsize() + self.deciders.waiting() + busy
+        or being decided about and acted on: each counts from when it is handed over until it is
+        done (a fault in hand is work too: a slow one must show). 0: every fault taken in so far
+        is decided about and what was decided is done, or left for a later round (a Backoff's
+        second look, a replacement the API refused)."""
+        return self._queue.unfinished_tasks + self.deciders.waiting()
 
     def workers_alive(self) -> bool:
         """Whether the dispatcher and every decider run."""
@@ -298,12 +299,13 @@ class Controller:
             except queue.Empty:
                 self._tick()
                 continue
-            with self.working():
-                try:
-                    self._dispatch_one(item)
-                except Exception:
-                    log.exception("dispatching a fault failed", fault_id=item.fault.id)
-                    self._settle(item.fault.id, recorded=False, error="internal error")
+            try:
+                self._dispatch_one(item)
+            except Exception:
+                log.exception("dispatching a fault failed", fault_id=item.fault.id)
+                self._settle(item.fault.id, recorded=False, error="internal error")
+            finally:
+                self._queue.task_done()  # its tasks, if any, are the deciders' now
             if self._queue.empty():
                 self._tick()
 
@@ -372,17 +374,6 @@ class Controller:
         with self._lock:
             self._dispatch.schedule(fault, until)
 
-    @contextlib.contextmanager
-    def working(self) -> Iterator[None]:
-        """(Progress) Held while a fault or a batch is in hand."""
-        with self._lock:
-            self._busy += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._busy -= 1
-
     def announce(
         self, kind: str, reason: str, message: str, about: Mapping[str, str] | None = None
     ) -> None:
@@ -404,6 +395,7 @@ class Controller:
             self._queue.put(_Item(fault, retry=True))
         for fault in due:
             self._queue.put(_Item(fault, retry=True))
+        self.metrics.dispatcher_round.set(now.timestamp())
         if self._monotonic() - self._last_check >= self.settings.check_every_seconds:
             self._last_check = self._monotonic()
             try:

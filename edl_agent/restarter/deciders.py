@@ -13,7 +13,6 @@ import queue
 import threading
 import zlib
 from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol
@@ -52,10 +51,6 @@ class Progress(Protocol):
     def schedule(self, fault: Fault, until: datetime) -> None:
         """Look at `fault` again at `until` (a Backoff's second look)."""
 
-    def working(self) -> AbstractContextManager[None]:
-        """Held while a batch is in hand (it counts in the queue depth)."""
-        ...
-
     def announce(
         self, kind: str, reason: str, message: str, about: Mapping[str, str] | None = None
     ) -> None:
@@ -85,6 +80,8 @@ class Deciders:
         self._clock = clock
         self.batch, self._attempts = batch, attempts
         self._queues: list[queue.Queue[Task | None]] = [queue.Queue() for _ in range(workers)]
+        self._in_hand = 0  # tasks put and not yet decided and acted on (under _in_hand_lock)
+        self._in_hand_lock = threading.Lock()
         # (namespace, policy, owner) told about already: one warning each, not one per exit.
         self._owners_told = BoundedSet(OWNERS_TOLD)
         self._owners_lock = threading.Lock()
@@ -95,10 +92,14 @@ class Deciders:
     def put(self, task: Task) -> None:
         """Hand a task to the decider of its policy."""
         key = f"{task.ref.namespace}/{task.policy}".encode()
+        with self._in_hand_lock:
+            self._in_hand += 1
         self._queues[zlib.crc32(key) % len(self._queues)].put(task)
 
     def waiting(self) -> int:
-        return sum(q.qsize() for q in self._queues)
+        """Tasks handed over and not done yet: waiting, or being decided about and acted on."""
+        with self._in_hand_lock:
+            return self._in_hand
 
     def stop(self) -> None:
         """End every decider after what it has in hand."""
@@ -135,14 +136,17 @@ class Deciders:
         groups: dict[tuple[str, str], list[Task]] = {}
         for task in tasks:
             groups.setdefault((task.ref.namespace, task.policy), []).append(task)
-        for (namespace, name), group in groups.items():
-            with self._progress.working():
+        try:
+            for (namespace, name), group in groups.items():
                 try:
                     self.decide_batch(namespace, name, group)
                 except Exception:
                     log.exception("deciding faults failed", policy=f"{namespace}/{name}")
                     for task in group:
                         self._progress.task_done(task, ok=False, error="internal error")
+        finally:
+            with self._in_hand_lock:
+                self._in_hand -= len(tasks)
 
     def decide_batch(self, namespace: str, name: str, tasks: list[Task]) -> None:
         """Decide and record `tasks` (all under policy namespace/name), then act."""

@@ -108,7 +108,8 @@ class LeaderElector:
         current = read_lease(obj)
         now = time.monotonic()
         seen = _fingerprint(obj)
-        if seen != self._seen:
+        moved = seen != self._seen
+        if moved:
             self._seen, self._seen_at = seen, now
         wanted = next_record(
             current,
@@ -121,6 +122,14 @@ class LeaderElector:
             if self._leading.is_set():
                 holder = current.holder if current is not None else ""
                 self._lose(f"the lease is held by {holder}")
+            elif moved and current is not None:
+                # Once per renewal seen: why a standby does not take over (its leader lives).
+                log.debug(
+                    "standing by: the lease holder renewed",
+                    lease=f"{self.namespace}/{self.lease_name}",
+                    holder=current.holder,
+                    renewed=current.renewed.isoformat() if current.renewed else None,
+                )
             return
         if not self._leading.is_set():
             self.inherited = dict(((obj or {}).get("metadata") or {}).get("annotations") or {})

@@ -11,6 +11,7 @@ edl_restarter_intake_refusals_total{reason}       reports refused (token, accoun
 edl_restarter_intake_trimmed_total{field}         faults cut to the intake's bounds, or dated
                                                   ahead of its clock (field observed_at)
 edl_restarter_queue_depth                         faults waiting for or in a decision
+edl_restarter_dispatcher_round_timestamp_seconds  the dispatcher's last round (due backoffs, storm)
 edl_restarter_leader                              1 while this replica leads
 edl_restarter_storm_paused                        1 while the storm guard holds restarts
 edl_restarter_nodes_not_ready                     NotReady nodes the watch sees
@@ -87,7 +88,14 @@ class RestarterMetrics:
         )
         self.queue_depth = Gauge(
             "edl_restarter_queue_depth",
-            "Faults and pods waiting for a decision or being decided about.",
+            "Faults and pods waiting for a decision, or being decided about and acted on.",
+            registry=r,
+        )
+        self.dispatcher_round = Gauge(
+            "edl_restarter_dispatcher_round_timestamp_seconds",
+            "When the dispatcher last looked at the storm guard and the backoffs due (Unix time, "
+            "by the restarter's clock): it stands still while faults keep the dispatcher busy, "
+            "or while the dispatcher is down.",
             registry=r,
         )
         self.leader = Gauge(

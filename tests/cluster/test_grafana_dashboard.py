@@ -183,7 +183,9 @@ def test_every_panel_query_answers_with_series(
     }
     assert {s["metric"]["reason"] for s in series("Intake refusals and cuts")} == {"no_token"}
     # The restarter keeps the operator's target labels (it exports no pod labels of its own).
-    assert [s["metric"]["pod"] for s in series("Queue depth per replica")] == [RESTARTER_POD]
+    assert [
+        s["metric"]["pod"] for s in series("Queue depth per replica, and the dispatcher's pace")
+    ] == [RESTARTER_POD]
 
 
 def test_the_kustomization_makes_the_configmap_the_grafana_sidecar_loads() -> None:

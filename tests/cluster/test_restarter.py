@@ -18,6 +18,7 @@ from k8s_test_helpers import POD_FAIL_EXIT_CODE, POD_FAIL_LABEL, KwokCluster, wa
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from edl_agent.faults.model import PodRef
 from edl_agent.restarter.actuator import Actuator
 from edl_agent.restarter.controller import Controller
 from edl_agent.restarter.kube_controller import connect
@@ -188,6 +189,41 @@ def wait_gone(k8s: KwokCluster, name: str, timeout: float = 15.0) -> None:
     )
 
 
+def wait_deleted(k8s: KwokCluster, name: str, timeout: float = 15.0) -> None:
+    """Until the pod is gone from the API (not only terminating)."""
+    wait_for(
+        f"pod {name} deleted", lambda: pod_or_none(k8s, name), lambda pod: pod is None, timeout
+    )
+
+
+def caught_up(k8s: KwokCluster, controller: Controller, timeout: float = 15.0) -> None:
+    """Until `controller` has seen every pod change made so far and finished with every fault
+    they gave: decided, recorded, and the decisions carried out. A pod created now (bound to no
+    node, covered by no policy) comes after those changes in its pod watch, and its queue depth
+    counts each fault from its arrival until what was decided about it is done."""
+    mark = k8s.core.create_namespaced_pod(
+        k8s.namespace,
+        client.V1Pod(
+            metadata=client.V1ObjectMeta(generate_name="caught-up-"),
+            spec=client.V1PodSpec(containers=[client.V1Container(name="c", image="none")]),
+        ),
+    )
+    ref = PodRef(k8s.namespace, mark.metadata.name, mark.metadata.uid)
+    wait_for(
+        f"the restarter to see pod {ref.name}", lambda: controller.pods.find_pod(ref), bool, timeout
+    )
+    wait_for(
+        "the restarter's queue empty", controller.queue_depth, lambda depth: depth == 0, timeout
+    )
+
+
+def decisions(controller: Controller, action: str, reason: str) -> float:
+    """How many decisions of `action` about faults of kind `reason` the controller made."""
+    labels = {"action": action, "reason": reason}
+    found = controller.metrics.registry.get_sample_value("edl_restarter_decisions_total", labels)
+    return found or 0.0
+
+
 def job_status(objects: client.CustomObjectsApi, namespace: str, policy: str) -> Any:
     body = objects.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, policy)
     jobs = (body.get("status") or {}).get("jobs") or []
@@ -207,27 +243,32 @@ def wait_action(
 
 
 def test_exit_137_replaces_the_pod_and_counts_the_restart(
-    k8s: KwokCluster, make_policy: MakePolicy, objects: client.CustomObjectsApi
+    k8s: KwokCluster,
+    make_policy: MakePolicy,
+    objects: client.CustomObjectsApi,
+    controller: Controller,
 ) -> None:
     make_policy(faultTolerantPolicy=[{"restartPolicy": "ExitCode", "exitCodes": "129,137"}])
     node = k8s.create_gpu_node()
     name = "resnet-worker-0"
     k8s.create_pod(name, node=node.metadata.name, labels=labels("resnet", "worker", 0))
 
-    asked = time.monotonic()
-    exit_pod(k8s, name, 137)
-    new, exited = None, None
-    while new is None and time.monotonic() - asked < 10:
-        time.sleep(0.005)
-        if exited is None:
+    exits: list[float] = []  # when the old pod's exit first showed in the API
+
+    def replacement() -> Any:
+        if not exits:
             old = pod_or_none(k8s, name)
             state = old and old.status.container_statuses and old.status.container_statuses[0]
             if state and state.state.terminated:
-                exited = time.monotonic()
-        new = pod_or_none(k8s, f"{name}-r1")
+                exits.append(time.monotonic())
+        return pod_or_none(k8s, f"{name}-r1")
+
+    asked = time.monotonic()
+    exit_pod(k8s, name, 137)
+    # Polled every 5 ms: the time is measured to that (and to a read's round trip).
+    new = wait_for(f"pod {name}-r1", replacement, bool, timeout=10, poll=0.005)
     created = time.monotonic()
-    assert new is not None, "no replacement in 10 s"
-    after_exit = "missed" if exited is None else f"{created - exited:.3f}s"
+    after_exit = f"{created - exits[0]:.3f}s" if exits else "missed"
     print(
         f"\nfault→replacement: {after_exit} from the exit's visibility in the API "
         f"({created - asked:.3f}s from asking KWOK to exit the container)"
@@ -240,18 +281,22 @@ def test_exit_137_replaces_the_pod_and_counts_the_restart(
     for container in new.spec.containers:
         assert {(e.name, e.value) for e in container.env} >= {(RESTART_COUNT_ENV, "1")}
     assert new.spec.affinity is None  # an exit is no node fault
-    wait_gone(k8s, name)
+    wait_deleted(k8s, name)
 
     job = wait_action(objects, k8s.namespace, "train", 1)
     assert job["name"] == "resnet"
     assert job["restarts"] == 1
     assert job["lastActions"][-1]["action"] == "Restart"
-    time.sleep(1)
+    caught_up(k8s, controller)  # the deletion seen: what it gave is decided and carried out
     assert pod_or_none(k8s, f"{name}-r2") is None  # one fault, one replacement
+    assert decisions(controller, "Restart", "ContainerExit") == 1
 
 
 def test_an_exit_no_rule_matches_is_not_replaced_and_the_status_says_why(
-    k8s: KwokCluster, make_policy: MakePolicy, objects: client.CustomObjectsApi
+    k8s: KwokCluster,
+    make_policy: MakePolicy,
+    objects: client.CustomObjectsApi,
+    controller: Controller,
 ) -> None:
     make_policy(faultTolerantPolicy=[{"restartPolicy": "ExitCode", "exitCodes": "129,137"}])
     node = k8s.create_gpu_node()
@@ -263,13 +308,17 @@ def test_an_exit_no_rule_matches_is_not_replaced_and_the_status_says_why(
     assert action["action"] == "Ignore"
     assert "exit with code 1 of container worker matches no rule" in action["reason"]
     assert job["restarts"] == 0
-    time.sleep(1)
+    caught_up(k8s, controller)  # the Ignore carried out (nothing), and no later fault pending
     assert pod_or_none(k8s, f"{name}-r1") is None
     assert k8s.read_pod(name).metadata.deletion_timestamp is None
+    assert decisions(controller, "Ignore", "ContainerExit") == 1
 
 
 def test_a_not_ready_node_gets_its_pod_force_deleted_and_replaced_elsewhere(
-    k8s: KwokCluster, make_policy: MakePolicy, objects: client.CustomObjectsApi
+    k8s: KwokCluster,
+    make_policy: MakePolicy,
+    objects: client.CustomObjectsApi,
+    controller: Controller,
 ) -> None:
     make_policy(restartPolicy="OnNodeFail")
     node = k8s.create_gpu_node().metadata.name
@@ -280,7 +329,7 @@ def test_a_not_ready_node_gets_its_pod_force_deleted_and_replaced_elsewhere(
     new = wait_pod(k8s, f"{name}-r1", timeout=15)
     print(f"\nnode NotReady→replacement: {time.monotonic() - started:.3f}s (grace 1 s)")
     # Force-deleted right after its replacement is made: gone at once, not after a grace period.
-    wait_for("the old pod gone", lambda: pod_or_none(k8s, name), lambda pod: pod is None, 5)
+    wait_deleted(k8s, name, 5)
     terms = new.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution
     assert [
         (f.key, f.operator, f.values) for t in terms.node_selector_terms for f in t.match_fields
@@ -288,8 +337,10 @@ def test_a_not_ready_node_gets_its_pod_force_deleted_and_replaced_elsewhere(
     job = wait_action(objects, k8s.namespace, "train", 1)
     assert job["lastActions"][-1]["fault"] == "NodeNotReady"
     assert job["restarts"] == 1
-    time.sleep(1.5)
+    caught_up(k8s, controller)  # the deletion seen: what it gave is decided and carried out
     assert pod_or_none(k8s, f"{name}-r2") is None  # our own deletion is no PodForceDeleted
+    assert decisions(controller, "Restart", "PodForceDeleted") == 0
+    assert decisions(controller, "Restart", "NodeNotReady") == 1
 
 
 def test_a_replacement_on_a_node_that_then_goes_not_ready_is_replaced_again(
@@ -327,7 +378,10 @@ def test_a_replacement_on_a_node_that_then_goes_not_ready_is_replaced_again(
 
 
 def test_the_restart_limit_stops_the_third_restart(
-    k8s: KwokCluster, make_policy: MakePolicy, objects: client.CustomObjectsApi
+    k8s: KwokCluster,
+    make_policy: MakePolicy,
+    objects: client.CustomObjectsApi,
+    controller: Controller,
 ) -> None:
     make_policy(
         restartLimit=2, faultTolerantPolicy=[{"restartPolicy": "ExitCode", "exitCodes": 137}]
@@ -345,12 +399,16 @@ def test_the_restart_limit_stops_the_third_restart(
     (condition,) = job["conditions"]
     assert (condition["type"], condition["status"]) == (LIMIT_EXCEEDED, "True")
     assert "restartLimit is 2" in condition["message"]
-    time.sleep(1)
+    caught_up(k8s, controller)  # the LimitExceeded carried out: nothing replaced
     assert pod_or_none(k8s, "gpt-worker-2-r1") is None
+    assert k8s.read_pod("gpt-worker-2").metadata.deletion_timestamp is None
 
 
 def test_scope_all_replaces_every_pod_of_the_job_once(
-    k8s: KwokCluster, make_policy: MakePolicy, objects: client.CustomObjectsApi
+    k8s: KwokCluster,
+    make_policy: MakePolicy,
+    objects: client.CustomObjectsApi,
+    controller: Controller,
 ) -> None:
     make_policy(
         faultTolerantPolicy=[{"restartPolicy": "ExitCode", "exitCodes": 137, "restartScope": "All"}]
@@ -366,8 +424,8 @@ def test_scope_all_replaces_every_pod_of_the_job_once(
     exit_pod(k8s, "llm-worker-0", 137)
     for name in names:
         assert wait_pod(k8s, f"{name}-r1").metadata.annotations[RESTART_COUNT_ANNOTATION] == "1"
-        wait_gone(k8s, name)
-    time.sleep(1.5)
+        wait_deleted(k8s, name)
+    caught_up(k8s, controller)  # the deletions seen: what they gave is decided and carried out
     for name in names:
         assert pod_or_none(k8s, f"{name}-r2") is None
     assert pod_or_none(k8s, f"{other}-r1") is None
@@ -451,7 +509,10 @@ def test_a_force_deleted_or_evicted_pod_is_replaced(
 
 
 def test_a_policy_the_parser_refuses_gets_a_condition_and_restarts_nothing(
-    k8s: KwokCluster, make_policy: MakePolicy, objects: client.CustomObjectsApi
+    k8s: KwokCluster,
+    make_policy: MakePolicy,
+    objects: client.CustomObjectsApi,
+    controller: Controller,
 ) -> None:
     # The CRD's pattern admits a backwards range; the parser does not.
     make_policy(faultTolerantPolicy=[{"restartPolicy": "ExitCode", "exitCodes": "140-129"}])
@@ -472,9 +533,10 @@ def test_a_policy_the_parser_refuses_gets_a_condition_and_restarts_nothing(
     assert "spec.faultTolerantPolicy[0].exitCodes" in condition["message"]
     node = k8s.create_gpu_node().metadata.name
     k8s.create_pod("b-worker-0", node=node, labels=labels("b", "worker", 0))
-    exit_pod(k8s, "b-worker-0", 137)
-    time.sleep(2)
+    k8s.exit_pod("b-worker-0", 137)  # waits for the exit to show
+    caught_up(k8s, controller)  # the exit seen, and its fault decided about
     assert pod_or_none(k8s, "b-worker-0-r1") is None
+    assert k8s.read_pod("b-worker-0").metadata.deletion_timestamp is None
 
 
 def test_a_pod_that_reuses_the_name_is_neither_marked_nor_deleted(
