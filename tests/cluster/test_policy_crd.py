@@ -265,14 +265,17 @@ def test_the_paddle_elastic_example_passes_a_server_side_dry_run(
     """deploy/examples/paddle-elastic-job.yaml: a policy the CRD and our parser accept, and
     worker pods whose container restart rules the API server keeps (it would drop fields it
     does not know)."""
-    made = server_dry_run(
-        DEPLOY.parent / "examples" / "paddle-elastic-job.yaml", k8s.namespace, kubectl
-    )
+    example = DEPLOY.parent / "examples" / "paddle-elastic-job.yaml"
+    made = server_dry_run(example, k8s.namespace, kubectl)
     assert [m["kind"] for m in made] == ["FaultTolerancePolicy", "Pod", "Pod", "Pod"]
     assert len(parse_policy(made[0]["spec"]).rules) == 2
-    for pod in made[1:]:
+    shipped = [d for d in yaml.safe_load_all(example.read_text()) if d and d["kind"] == "Pod"]
+    for pod, written in zip(made[1:], shipped, strict=True):
         [container] = pod["spec"]["containers"]
-        assert container["restartPolicyRules"][0]["exitCodes"]["values"] == [101, 129]
+        [as_written] = written["spec"]["containers"]
+        assert container["restartPolicyRules"] == as_written["restartPolicyRules"]
+        # Exit 0 ends the pod: a finished launcher is not restarted.
+        assert 0 in container["restartPolicyRules"][0]["exitCodes"]["values"]
 
 
 def test_the_quick_start_gpu_pod_passes_a_server_side_dry_run(
