@@ -29,9 +29,9 @@ Times are RFC 3339 in UTC with microseconds: a stale-fault check compares them w
 times, and whole seconds would make a fault look newer than the restart it caused.
 
 The status is kept within `STATUS_BUDGET` bytes (`fit`): what arrives with a fault is bounded at
-the intake already, and past the budget what decisions never read goes first (last actions, then
-the pod templates that the restarter also holds in memory), so that a status write is never
-refused as too large and holds up every other decision of the policy.
+the intake already, and past the budget what decisions do not depend on goes first (last
+actions, then the pod templates that the restarter also holds in memory), so that a status
+write is never refused as too large and holds up every other decision of the policy.
 """
 
 from __future__ import annotations
@@ -440,7 +440,8 @@ def _set_condition(entry: dict[str, Any], decision: Decision, now: datetime) -> 
 
 def fit(status: dict[str, Any], budget: int = STATUS_BUDGET) -> list[str]:
     """Bring `status` within `budget` bytes of JSON, in place, by dropping what no decision
-    reads: first the last actions (all but each job's newest, then those too), then pod
+    depends on: first the last actions (all but each job's newest, then those too; they only
+    spare recording an in-place or owner's decision seen again a second time), then pod
     templates of pending restarts and backoffs, largest first (the restarter holds them in
     memory as well; only a restarter that starts anew after this write lacks them, and it
     replaces such a pod once its owner or a later fault makes it again). What was dropped, in
