@@ -4,6 +4,7 @@ recorded by one controller carried out by the next; API errors delay a fault and
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import threading
@@ -20,8 +21,10 @@ from edl_agent.restarter.checkpoint import ANNOTATION as CHECKPOINT
 from edl_agent.restarter.checkpoint import Checkpoint
 from edl_agent.restarter.controller import Controller, NotRecorded
 from edl_agent.restarter.covering import PolicyIndex
+from edl_agent.restarter.decide import Action
 from edl_agent.restarter.dispatch import Admission, Dispatch
 from edl_agent.restarter.memory import InMemoryCluster
+from edl_agent.restarter.plan import Plan, Task, plan
 from edl_agent.restarter.replacement import REPLACES_UID_ANNOTATION
 from edl_agent.restarter.settings import ControllerSettings
 from edl_agent.restarter.spec import parse_policy
@@ -621,3 +624,33 @@ def test_a_decision_the_api_server_refuses_to_record_does_not_hold_up_the_others
     status = cluster.policies[(NS, "p")]["status"]
     assert status["restarts"] == 3
     assert not any(job["name"] == "big" for job in status["jobs"])
+
+
+def test_a_fault_sent_again_after_its_restart_was_recorded_is_stale_whatever_its_time(
+    cluster: InMemoryCluster,
+) -> None:
+    """An agent resends a fault a killed leader recorded but never acknowledged; dated on
+    receipt (its clock ran ahead), it comes with a later time than the restart it caused. Its
+    id, in the job's last actions, says it was acted on."""
+    cluster.add_policy(NS, "p", spec())
+    pod = cluster.add_pod(NS, "a-0", labels=labels("a", 0), status=failed())
+    ref = PodRef(NS, "a-0", pod["metadata"]["uid"])
+    fault = exit_fault(pod)
+    obj = cluster.read_policy(NS, "p")
+
+    def decide_at(fault: Fault, seconds: float) -> Plan:
+        return plan(
+            obj,
+            [Task(fault, pod, ref, "p")],
+            members=lambda *_: [],
+            replaced=lambda _ref: False,
+            now=START + timedelta(seconds=seconds),
+        )
+
+    first = decide_at(fault, 0)
+    assert [d.action for _, d in first.decisions] == [Action.RESTART]
+    obj["status"] = first.status
+    again = decide_at(dataclasses.replace(fault, observed_at=START + timedelta(seconds=30)), 30)
+    assert [d.action for _, d in again.decisions] == [Action.STALE]
+    assert again.restarts == []
+    assert again.status is None  # nothing more to record

@@ -19,8 +19,8 @@ from typing import Any
 from edl_agent.faults.in_place import restarts_in_place
 from edl_agent.faults.model import Fault, FaultKind, PodRef
 from edl_agent.faults.pod_faults import exit_counting_owner, pod_created, pod_ref
-from edl_agent.restarter.decide import Action, Decision, decide
-from edl_agent.restarter.policy import Policy, RestartScope
+from edl_agent.restarter.decide import Action, Decision, decide, describe
+from edl_agent.restarter.policy import PodIdentity, Policy, RestartScope
 from edl_agent.restarter.spec import parse_policy
 from edl_agent.restarter.status import (
     PendingRestart,
@@ -107,6 +107,17 @@ def plan(
             created=pod_created(task.pod),
             exit_owner=exit_counting_owner(task.pod),
         )
+        if decision.action is Action.RESTART and _restarted(status, identity, fault.id):
+            # The same fault again after its restart was recorded (an agent resending what a
+            # killed leader recorded but never acknowledged): its time may have moved with it
+            # (dated on receipt), so its id says it was acted on.
+            decision = Decision(
+                Action.STALE,
+                f"{describe(fault)} restarted {identity} already",
+                fault,
+                identity,
+                read_job(status, identity.job),
+            )
         result.decisions.append((task, decision))
         targets: list[Pod] = []
         if decision.action is Action.RESTART:
@@ -138,7 +149,8 @@ def plan(
             )
             result.restarts.append(pending)
         elif decision.action is Action.BACKOFF and decision.until is not None:
-            result.backoffs.append((fault, decision.until))
+            # As decided: a time from a clock ahead, taken as now, stays what it was taken as.
+            result.backoffs.append((decision.fault, decision.until))
     just_recorded = {(p.job, p.fault_id) for p in result.restarts}
     done = [
         (pending.job, pending.fault_id)
@@ -160,6 +172,18 @@ def tidy(obj: Mapping[str, Any], *, replaced: Callable[[PodRef], bool]) -> dict[
     """The status without the pending restarts whose pods are all gone; None: none are."""
     done = plan(obj, (), members=lambda *_: [], replaced=replaced, now=datetime.min)
     return done.status
+
+
+def _restarted(status: Mapping[str, Any], pod: PodIdentity, fault_id: str) -> bool:
+    """Whether the job's last actions hold a Restart of `pod`'s slot for `fault_id`."""
+    entry = find_job(status, pod.job) or {}
+    return any(
+        a.get("faultId") == fault_id
+        and a.get("action") == str(Action.RESTART)
+        and a.get("replicaType") == pod.replica_type
+        and a.get("slot") == pod.slot
+        for a in entry.get("lastActions") or []
+    )
 
 
 def _recorded(status: Mapping[str, Any], job: str, fault_id: str) -> bool:
