@@ -20,7 +20,7 @@ from edl_agent.faults.in_place import restarts_in_place
 from edl_agent.faults.model import Fault, FaultKind, PodRef
 from edl_agent.faults.pod_faults import exit_counting_owner, pod_created, pod_ref
 from edl_agent.restarter.decide import Action, Decision, decide, describe
-from edl_agent.restarter.policy import PodIdentity, Policy, RestartScope
+from edl_agent.restarter.policy import Policy, RestartScope
 from edl_agent.restarter.spec import parse_policy
 from edl_agent.restarter.status import (
     PendingRestart,
@@ -107,7 +107,14 @@ def plan(
             created=pod_created(task.pod),
             exit_owner=exit_counting_owner(task.pod),
         )
-        if decision.action is Action.RESTART and _restarted(status, identity, fault.id):
+        if decision.action is Action.RESTART and _recorded(
+            status,
+            identity.job,
+            fault.id,
+            action=str(Action.RESTART),
+            replicaType=identity.replica_type,
+            slot=identity.slot,
+        ):
             # The same fault again after its restart was recorded (an agent resending what a
             # killed leader recorded but never acknowledged): its time may have moved with it
             # (dated on receipt), so its id says it was acted on.
@@ -174,19 +181,11 @@ def tidy(obj: Mapping[str, Any], *, replaced: Callable[[PodRef], bool]) -> dict[
     return done.status
 
 
-def _restarted(status: Mapping[str, Any], pod: PodIdentity, fault_id: str) -> bool:
-    """Whether the job's last actions hold a Restart of `pod`'s slot for `fault_id`."""
-    entry = find_job(status, pod.job) or {}
+def _recorded(status: Mapping[str, Any], job: str, fault_id: str, **fields: str) -> bool:
+    """Whether the job's last actions hold a decision about `fault_id` already (one whose
+    entry also has `fields`, e.g. `action="Restart", slot="3"`, when given)."""
+    entry = find_job(status, job) or {}
     return any(
-        a.get("faultId") == fault_id
-        and a.get("action") == str(Action.RESTART)
-        and a.get("replicaType") == pod.replica_type
-        and a.get("slot") == pod.slot
+        a.get("faultId") == fault_id and all(a.get(k) == v for k, v in fields.items())
         for a in entry.get("lastActions") or []
     )
-
-
-def _recorded(status: Mapping[str, Any], job: str, fault_id: str) -> bool:
-    """Whether the job's last actions hold a decision about `fault_id` already."""
-    entry = find_job(status, job) or {}
-    return any(a.get("faultId") == fault_id for a in entry.get("lastActions") or [])
