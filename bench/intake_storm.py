@@ -34,9 +34,9 @@ REPO = Path(__file__).resolve().parent.parent
 SERVER = """
 import sys, threading
 from pathlib import Path
-from edl_agent.restarter.intake import FaultIntake, IntakeServer
+from edl_agent.restarter.adapters.intake import FaultIntake, IntakeServer
 
-from edl_agent.restarter.auth import Identity
+from edl_agent.restarter.core.callers import Identity
 intake = FaultIntake(
     review=lambda token: Identity(authenticated=False, error="bench"),
     agent_user="system:serviceaccount:x:y",

@@ -7,7 +7,7 @@ Environment variables name a key path with `__` between levels: `EDL_LOG_LEVEL=d
 so every key can be set from a pod spec; `--set nvidia.mig_strategy=mixed` reads the same way.
 Every setting carries its help text in its field's metadata (`setting`), which `config --keys`
 and the README print. The schemas themselves live with their processes: the agent's in
-`edl_agent.config`, the restarter's in `edl_agent.restarter.settings`.
+`edl_agent.config`, the restarter's in `edl_agent.restarter.core.settings`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from edl_agent.typed import SchemaError, build
 
 T = TypeVar("T")
 ENV_PREFIX = "EDL_"
-# The restarter's settings (`edl_agent.restarter.settings`): a process of one kind must not
+# The restarter's settings (`edl_agent.restarter.core.settings`): a process of one kind must not
 # refuse to start over the other's variables (a shell or pod that sets both).
 RESTARTER_ENV_PREFIX = "EDL_RESTARTER_"
 ENV_PREFIXES = (ENV_PREFIX, RESTARTER_ENV_PREFIX)

@@ -23,7 +23,7 @@ from edl_agent.faults.bounds import (
     too_long_name,
 )
 from edl_agent.faults.model import Fault, FaultKind, PodRef
-from edl_agent.restarter.decide import describe
+from edl_agent.restarter.core.decide import describe
 
 NOW = datetime(2026, 11, 28, 12, tzinfo=UTC)
 

@@ -30,15 +30,15 @@ from edl_agent.faults.model import Fault, PodRef
 from edl_agent.faults.outbox import Outbox
 from edl_agent.faults.pod_faults import container_exit_faults
 from edl_agent.faults.sender import RECONNECT_MAX_MS, Sender, SenderSettings
-from edl_agent.restarter.auth import (
+from edl_agent.restarter.adapters.auth import CachedReviewer
+from edl_agent.restarter.adapters.intake import FaultIntake, IntakeError, IntakeServer
+from edl_agent.restarter.core.callers import (
     NODE_NAME_EXTRA,
-    CachedReviewer,
     Identity,
     ReviewUnavailable,
     bearer_token,
     service_account_user,
 )
-from edl_agent.restarter.intake import FaultIntake, IntakeError, IntakeServer
 from edl_agent.runtime.backoff import backoff_delay
 from tests.waiting import wait_until
 

@@ -18,7 +18,7 @@ from prometheus_client.metrics_core import Metric
 
 from edl_agent.health.state import Snapshot
 from edl_agent.metrics.collectors import EdlCollector
-from edl_agent.restarter.metrics import IntakeCounts, RestarterMetrics
+from edl_agent.restarter.core.metrics import IntakeCounts, RestarterMetrics
 from tests.dashboard_check import (
     AGENT_POD,
     DASHBOARD,

@@ -26,7 +26,7 @@ from edl_agent.hosts.decide import (
     nodes_to_read,
 )
 from edl_agent.labels.condition import CONDITION_TYPE
-from edl_agent.restarter.replacement import REPLACES_UID_ANNOTATION
+from edl_agent.restarter.core.replacement import REPLACES_UID_ANNOTATION
 
 NS = "ml"
 IP = "10.0.0.1"

@@ -22,8 +22,8 @@ import grpc
 import pytest
 from structlog.testing import capture_logs
 
-from edl_agent.restarter.intake import IntakeServer
-from edl_agent.restarter.peer_gate import PeerGate
+from edl_agent.restarter.adapters.intake import IntakeServer
+from edl_agent.restarter.adapters.peer_gate import PeerGate
 from tests.test_fault_delivery import Restarter, fault, fid, report, verdicts
 from tests.waiting import wait_until
 

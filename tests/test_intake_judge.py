@@ -20,13 +20,13 @@ from edl_agent.faults.convert import to_proto
 from edl_agent.faults.ids import container_exit_id
 from edl_agent.faults.model import Fault, FaultKind, PodRef
 from edl_agent.faults.pod_faults import container_exit_faults
-from edl_agent.restarter.auth import NODE_NAME_EXTRA, Identity
-from edl_agent.restarter.intake import (
+from edl_agent.restarter.adapters.intake import (
     CACHE_LAG,
     MAX_FAULTS_PER_CALL,
     MAX_PODS_PER_FAULT,
     FaultIntake,
 )
+from edl_agent.restarter.core.callers import NODE_NAME_EXTRA, Identity
 
 AGENT = "system:serviceaccount:edl-system:edl-agent"
 T0 = datetime(2026, 5, 1, 12, tzinfo=UTC)

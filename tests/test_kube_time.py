@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta, timezone
 import pytest
 
 from edl_agent.kube_time import format_micro_time, format_time, parse_time
-from edl_agent.restarter import lease, status
+from edl_agent.restarter.core import lease, status
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import re
 from edl_agent.config import Settings, load_settings
 from edl_agent.devices.model import Device, Inventory, Vendor, VendorReport
 from edl_agent.labels.compute import node_labels
-from edl_agent.restarter.leader import LEADER_LABEL
+from edl_agent.restarter.adapters.leader import LEADER_LABEL
 from tests.readme_blocks import README
 
 VENDOR_KEY = re.compile(r"^edl\.io/(nvidia|kunlunxin|hygon|ascend)\.")

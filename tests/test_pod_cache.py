@@ -19,7 +19,7 @@ from edl_agent.faults.pod_faults import (
     pod_node,
     pod_ref,
 )
-from edl_agent.restarter.pod_cache import slim_pod
+from edl_agent.restarter.core.pod_cache import slim_pod
 
 NOW = datetime(2026, 11, 24, tzinfo=UTC)
 

@@ -30,7 +30,7 @@ from edl_agent.faults.pod_faults import (
     force_deletion_fault,
     per_pod_faults,
 )
-from edl_agent.restarter.watchers import ClusterWatcher, deleted_by_us
+from edl_agent.restarter.adapters.watchers import ClusterWatcher, deleted_by_us
 
 NOW = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
 FINISHED = "2026-05-01T11:59:58Z"

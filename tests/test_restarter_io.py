@@ -9,17 +9,17 @@ from typing import Any
 from kubernetes import client
 
 from edl_agent.faults.model import FaultKind, PodRef
-from edl_agent.restarter.replacement import (
-    BASE_NAME_ANNOTATION,
-    RESTART_COUNT_ANNOTATION,
-    RESTART_COUNT_ENV,
-    replacement_pod,
-)
-from edl_agent.restarter.watchers import (
+from edl_agent.restarter.adapters.watchers import (
     DELETED_BY_ANNOTATION,
     RESTARTER,
     ClusterWatcher,
     is_not_ready,
+)
+from edl_agent.restarter.core.replacement import (
+    BASE_NAME_ANNOTATION,
+    RESTART_COUNT_ANNOTATION,
+    RESTART_COUNT_ENV,
+    replacement_pod,
 )
 
 NOW = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)

@@ -19,8 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edl_agent.faults.model import Fault, FaultKind, PodRef
-from edl_agent.restarter.decide import Action, Decision, decide
-from edl_agent.restarter.policy import (
+from edl_agent.restarter.core.decide import Action, Decision, decide
+from edl_agent.restarter.core.policy import (
     Backoff,
     ExceptionalEvent,
     ExitCodes,
@@ -31,10 +31,10 @@ from edl_agent.restarter.policy import (
     RestartScope,
     Rule,
 )
-from edl_agent.restarter.record import JobRecord
-from edl_agent.restarter.selector import LabelSelector, Operator, Requirement
-from edl_agent.restarter.spec import parse_policy, policy_spec_keys
-from edl_agent.restarter.status import LAST_ACTIONS, fit, read_job, record_decision
+from edl_agent.restarter.core.record import JobRecord
+from edl_agent.restarter.core.selector import LabelSelector, Operator, Requirement
+from edl_agent.restarter.core.spec import parse_policy, policy_spec_keys
+from edl_agent.restarter.core.status import LAST_ACTIONS, fit, read_job, record_decision
 from edl_agent.typed import SchemaError
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "daemonset"

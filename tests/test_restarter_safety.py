@@ -8,18 +8,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from edl_agent.faults.model import Fault, FaultKind, PodRef
-from edl_agent.restarter.decide import Action, Decision
-from edl_agent.restarter.lease import (
+from edl_agent.restarter.core.decide import Action, Decision
+from edl_agent.restarter.core.lease import (
     LeaseRecord,
     lease_spec,
     next_record,
     read_lease,
     released,
 )
-from edl_agent.restarter.policy import PodIdentity, RestartScope
-from edl_agent.restarter.record import JobRecord
-from edl_agent.restarter.status import finish_restart, pending_restarts, record_decision
-from edl_agent.restarter.storm import StormGuard
+from edl_agent.restarter.core.policy import PodIdentity, RestartScope
+from edl_agent.restarter.core.record import JobRecord
+from edl_agent.restarter.core.status import finish_restart, pending_restarts, record_decision
+from edl_agent.restarter.core.storm import StormGuard
 
 T0 = datetime(2026, 11, 22, 8, 0, tzinfo=UTC)
 

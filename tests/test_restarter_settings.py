@@ -21,15 +21,15 @@ from edl_agent.cli import main
 from edl_agent.config import load_settings
 from edl_agent.errors import UsageError
 from edl_agent.restarter import cli
-from edl_agent.restarter.process import Restarter
-from edl_agent.restarter.replacement import replacement_pod
-from edl_agent.restarter.settings import (
+from edl_agent.restarter.core.replacement import replacement_pod
+from edl_agent.restarter.core.settings import (
     DEFAULT_DROP_LABELS,
     RestarterSettings,
     label_dropped,
     label_pattern_problem,
     load_restarter_settings,
 )
+from edl_agent.restarter.process import Restarter
 from edl_agent.settings_loader import ConfigError, describe_settings
 from tests.waiting import wait_for, wait_until
 

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edl_agent.labels.condition import CONDITION_TYPE as ACCELERATOR_CONDITION
-from edl_agent.restarter.replacement import REPLACES_UID_ANNOTATION
+from edl_agent.restarter.core.replacement import REPLACES_UID_ANNOTATION
 
 Obj = Mapping[str, Any]
 

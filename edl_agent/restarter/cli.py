@@ -12,7 +12,7 @@ from typing import Any, get_args
 
 from edl_agent import log
 from edl_agent.errors import UsageError
-from edl_agent.restarter.settings import (
+from edl_agent.restarter.core.settings import (
     IntakeSettings,
     RestarterSettings,
     load_restarter_settings,
@@ -274,7 +274,7 @@ def run(args: argparse.Namespace) -> int:
     # Imported only now: the Kubernetes client and the controller take most of the command's
     # start-up time, which neither a mistyped flag nor any other command should wait for.
     from edl_agent.kube import KubeConfigError, api_client
-    from edl_agent.restarter.auth import service_account_user
+    from edl_agent.restarter.core.callers import service_account_user
     from edl_agent.restarter.process import Restarter
 
     try:

@@ -23,16 +23,16 @@ import structlog
 
 from edl_agent.errors import UsageError
 from edl_agent.metrics.server import MetricsServer
-from edl_agent.restarter.auth import CachedReviewer, TokenReviewer
-from edl_agent.restarter.checkpoint import ANNOTATION, Checkpoint
-from edl_agent.restarter.events import EventWriter
-from edl_agent.restarter.intake import FaultIntake, IntakeError, IntakeServer
-from edl_agent.restarter.kube_controller import connect
-from edl_agent.restarter.leader import LeaderElector, label_own_pod
-from edl_agent.restarter.metrics import RestarterMetrics
-from edl_agent.restarter.settings import RestarterSettings
-from edl_agent.restarter.storm import StormGuard
-from edl_agent.restarter.watchers import ClusterWatcher
+from edl_agent.restarter.adapters.auth import CachedReviewer, TokenReviewer
+from edl_agent.restarter.adapters.events import EventWriter
+from edl_agent.restarter.adapters.intake import FaultIntake, IntakeError, IntakeServer
+from edl_agent.restarter.adapters.kube_controller import connect
+from edl_agent.restarter.adapters.leader import LeaderElector, label_own_pod
+from edl_agent.restarter.adapters.watchers import ClusterWatcher
+from edl_agent.restarter.core.checkpoint import ANNOTATION, Checkpoint
+from edl_agent.restarter.core.metrics import RestarterMetrics
+from edl_agent.restarter.core.settings import RestarterSettings
+from edl_agent.restarter.core.storm import StormGuard
 from edl_agent.runtime.backoff import Backoff
 from edl_agent.runtime.deadline import StopDeadline
 from edl_agent.runtime.signals import stop_on_signals

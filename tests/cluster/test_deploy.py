@@ -51,8 +51,8 @@ from edl_agent.dra.api import KubeDraApi
 from edl_agent.kube import ApiError, KubeApi
 from edl_agent.labels.ownership import OWNED_LABELS
 from edl_agent.restarter import cli as restarter_cli
-from edl_agent.restarter.events import reference
-from edl_agent.restarter.settings import RestarterSettings
+from edl_agent.restarter.adapters.events import reference
+from edl_agent.restarter.core.settings import RestarterSettings
 from tests.prometheus_runner import need
 
 REPO = Path(__file__).resolve().parents[2]
@@ -1018,7 +1018,7 @@ def test_alert_annotations_name_only_labels_the_alert_has() -> None:
 
 
 def test_the_alerts_use_metrics_the_agent_and_the_restarter_export() -> None:
-    sources = ("edl_agent/metrics/collectors.py", "edl_agent/restarter/metrics.py")
+    sources = ("edl_agent/metrics/collectors.py", "edl_agent/restarter/core/metrics.py")
     exported = {
         name
         for path in sources

@@ -65,7 +65,7 @@ from test_node_labels import install_manifest, sa_client
 from test_restarter import GROUP, PLURAL, VERSION, crd, restarter_rbac  # noqa: F401 - fixtures
 
 from edl_agent.labels.condition import CONDITION_TYPE
-from edl_agent.restarter.replacement import REPLACES_ANNOTATION, RESTART_COUNT_ANNOTATION
+from edl_agent.restarter.core.replacement import REPLACES_ANNOTATION, RESTART_COUNT_ANNOTATION
 from edl_agent.sim import inject
 from tests.waiting import WaitTimeout
 

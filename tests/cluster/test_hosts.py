@@ -29,7 +29,7 @@ from manifests import dry_run_warnings
 
 from edl_agent.faults.pod_faults import DISRUPTION_REASON
 from edl_agent.labels.condition import CONDITION_TYPE
-from edl_agent.restarter.replacement import REPLACES_UID_ANNOTATION
+from edl_agent.restarter.core.replacement import REPLACES_UID_ANNOTATION
 from tests import horovod_runner
 
 REPO = Path(__file__).resolve().parents[2]

@@ -26,8 +26,9 @@ from edl_agent.faults.model import Fault, FaultKind, PodRef
 from edl_agent.faults.outbox import Outbox
 from edl_agent.faults.pod_faults import container_exit_faults
 from edl_agent.faults.sender import Sender, SenderSettings
-from edl_agent.restarter.auth import CachedReviewer, TokenReviewer, service_account_user
-from edl_agent.restarter.intake import FaultIntake, IntakeServer
+from edl_agent.restarter.adapters.auth import CachedReviewer, TokenReviewer
+from edl_agent.restarter.adapters.intake import FaultIntake, IntakeServer
+from edl_agent.restarter.core.callers import service_account_user
 from tests import waiting
 
 wait_until = functools.partial(waiting.wait_until, timeout=20.0)

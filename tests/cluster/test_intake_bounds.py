@@ -40,9 +40,10 @@ from test_restarter import (  # fixtures too: pytest finds them among the module
 from edl_agent._proto.edl.fault.v1 import fault_pb2
 from edl_agent.faults.bounds import MAX_DEVICE_ID
 from edl_agent.faults.model import Fault, FaultKind, PodRef
-from edl_agent.restarter.auth import CachedReviewer, TokenReviewer, service_account_user
-from edl_agent.restarter.controller import Controller
-from edl_agent.restarter.intake import FaultIntake, IntakeServer
+from edl_agent.restarter.adapters.auth import CachedReviewer, TokenReviewer
+from edl_agent.restarter.adapters.intake import FaultIntake, IntakeServer
+from edl_agent.restarter.core.callers import service_account_user
+from edl_agent.restarter.core.controller import Controller
 
 __all__ = ["controller", "crd", "make_policy", "objects"]
 

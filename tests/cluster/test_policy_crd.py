@@ -21,11 +21,11 @@ from kubernetes.client.exceptions import ApiException
 from manifests import dry_run_warnings
 
 from edl_agent.faults.model import Fault, FaultKind, PodRef
-from edl_agent.restarter.decide import Action, decide
-from edl_agent.restarter.policy import ExceptionalEvent, PodIdentity
-from edl_agent.restarter.record import JobRecord
-from edl_agent.restarter.spec import parse_policy
-from edl_agent.restarter.status import read_job, record_decision
+from edl_agent.restarter.core.decide import Action, decide
+from edl_agent.restarter.core.policy import ExceptionalEvent, PodIdentity
+from edl_agent.restarter.core.record import JobRecord
+from edl_agent.restarter.core.spec import parse_policy
+from edl_agent.restarter.core.status import read_job, record_decision
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "daemonset"
 CRD = yaml.safe_load((DEPLOY / "crd-faulttolerancepolicy.yaml").read_text())

@@ -19,12 +19,12 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from edl_agent.faults.model import PodRef
-from edl_agent.restarter.actuator import Actuator
-from edl_agent.restarter.controller import Controller
-from edl_agent.restarter.kube_controller import connect
-from edl_agent.restarter.replacement import RESTART_COUNT_ANNOTATION, RESTART_COUNT_ENV
-from edl_agent.restarter.status import LIMIT_EXCEEDED
-from edl_agent.restarter.watchers import DELETED_BY_ANNOTATION
+from edl_agent.restarter.adapters.actuator import Actuator
+from edl_agent.restarter.adapters.kube_controller import connect
+from edl_agent.restarter.adapters.watchers import DELETED_BY_ANNOTATION
+from edl_agent.restarter.core.controller import Controller
+from edl_agent.restarter.core.replacement import RESTART_COUNT_ANNOTATION, RESTART_COUNT_ENV
+from edl_agent.restarter.core.status import LIMIT_EXCEEDED
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "daemonset"
 CRD = yaml.safe_load((DEPLOY / "crd-faulttolerancepolicy.yaml").read_text())

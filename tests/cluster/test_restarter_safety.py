@@ -44,12 +44,12 @@ from test_restarter import (  # fixtures too: pytest finds them among the module
     wait_pod,
 )
 
-from edl_agent.restarter.checkpoint import ANNOTATION as CHECKPOINT
-from edl_agent.restarter.controller import Controller
-from edl_agent.restarter.events import EventWriter
-from edl_agent.restarter.kube_controller import connect
-from edl_agent.restarter.leader import LEADER_LABEL
-from edl_agent.restarter.storm import StormGuard
+from edl_agent.restarter.adapters.events import EventWriter
+from edl_agent.restarter.adapters.kube_controller import connect
+from edl_agent.restarter.adapters.leader import LEADER_LABEL
+from edl_agent.restarter.core.checkpoint import ANNOTATION as CHECKPOINT
+from edl_agent.restarter.core.controller import Controller
+from edl_agent.restarter.core.storm import StormGuard
 
 LEASE = "edl-restarter"
 STANDING_BY = "standing by: the lease holder renewed"

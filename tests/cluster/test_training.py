@@ -64,7 +64,7 @@ from test_e2e import (  # fixtures too: pytest finds them among the module's nam
 )
 from test_restarter import GROUP, PLURAL, VERSION, install_policy_crd
 
-from edl_agent.restarter.replacement import REPLACES_ANNOTATION
+from edl_agent.restarter.core.replacement import REPLACES_ANNOTATION
 from edl_agent.sim import inject
 from tests.training.progress import Recovery, Report, parse, progressing, recovery
 

@@ -55,8 +55,8 @@ from edl_agent.faults.pod_faults import (
 from edl_agent.kube import call_json, watch_events
 from edl_agent.kube_objects import object_version, version_number
 from edl_agent.kube_watch import WatchLoop
-from edl_agent.restarter.pod_cache import is_whole, slim_pod
-from edl_agent.restarter.replacement import (
+from edl_agent.restarter.core.pod_cache import is_whole, slim_pod
+from edl_agent.restarter.core.replacement import (
     DELETED_BY_ANNOTATION,
     REPLACES_UID_ANNOTATION,
     RESTARTER,

@@ -27,8 +27,8 @@ from edl_agent.faults.pod_faults import DISRUPTION_REASON, controller_owned
 from edl_agent.kube import CONFLICT, NOT_FOUND, ApiError
 from edl_agent.kube import call_json as _call
 from edl_agent.kube_time import format_time
-from edl_agent.restarter.port import Conflict, Replacement
-from edl_agent.restarter.replacement import (
+from edl_agent.restarter.core.port import Conflict, Replacement
+from edl_agent.restarter.core.replacement import (
     BASE_NAME_ANNOTATION,
     NODE_FAULTS,
     REPLACES_ANNOTATION,
@@ -37,7 +37,7 @@ from edl_agent.restarter.replacement import (
     RESTART_COUNT_ENV,
     replacement_pod,
 )
-from edl_agent.restarter.settings import DEFAULT_DROP_LABELS
+from edl_agent.restarter.core.settings import DEFAULT_DROP_LABELS
 
 UNPROCESSABLE = 422
 MESSAGE_LIMIT = 1024

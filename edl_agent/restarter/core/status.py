@@ -47,9 +47,9 @@ from typing import Any
 from edl_agent.faults.model import Fault, FaultKind, PodRef
 from edl_agent.kube_time import format_micro_time
 from edl_agent.kube_time import parse_time as parse_api_time
-from edl_agent.restarter.decide import Action, Decision
-from edl_agent.restarter.policy import Fence, RestartScope
-from edl_agent.restarter.record import JobRecord, LastRestart, ReplicaCount
+from edl_agent.restarter.core.decide import Action, Decision
+from edl_agent.restarter.core.policy import Fence, RestartScope
+from edl_agent.restarter.core.record import JobRecord, LastRestart, ReplicaCount
 
 LAST_ACTIONS = 10
 # etcd keeps objects up to 1.5 MiB by default, and the API server refuses requests over 3 MiB:

@@ -13,9 +13,9 @@ from typing import Any
 from edl_agent.faults.model import PodRef
 from edl_agent.faults.pod_faults import controller_owned, pod_ref
 from edl_agent.kube_time import format_micro_time
-from edl_agent.restarter.pod_cache import is_whole
-from edl_agent.restarter.port import PodView
-from edl_agent.restarter.status import pod_template
+from edl_agent.restarter.core.pod_cache import is_whole
+from edl_agent.restarter.core.port import PodView
+from edl_agent.restarter.core.status import pod_template
 from edl_agent.runtime.bounded import BoundedMap
 
 

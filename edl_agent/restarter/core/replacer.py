@@ -15,12 +15,12 @@ import structlog
 from edl_agent.faults.model import FaultKind, PodRef
 from edl_agent.faults.pod_faults import controller_owned, pod_controller, pod_ref
 from edl_agent.kube_errors import ApiError
-from edl_agent.restarter.metrics import RestarterMetrics
-from edl_agent.restarter.pod_cache import is_whole
-from edl_agent.restarter.policy import Fence
-from edl_agent.restarter.port import ClusterPort, PodView
-from edl_agent.restarter.status import PendingRestart
-from edl_agent.restarter.templates import GoneTemplates
+from edl_agent.restarter.core.metrics import RestarterMetrics
+from edl_agent.restarter.core.pod_cache import is_whole
+from edl_agent.restarter.core.policy import Fence
+from edl_agent.restarter.core.port import ClusterPort, PodView
+from edl_agent.restarter.core.status import PendingRestart
+from edl_agent.restarter.core.templates import GoneTemplates
 from edl_agent.runtime.bounded import BoundedSet
 
 log = structlog.get_logger(__name__)

@@ -13,12 +13,12 @@ from typing import Any
 from kubernetes import client
 
 from edl_agent.faults.model import Fault
-from edl_agent.restarter.actuator import GROUP, PLURAL, VERSION, Actuator
-from edl_agent.restarter.controller import Controller
-from edl_agent.restarter.events import EventWriter
-from edl_agent.restarter.metrics import RestarterMetrics
-from edl_agent.restarter.settings import ControllerSettings
-from edl_agent.restarter.watchers import ClusterWatcher, ListWatch
+from edl_agent.restarter.adapters.actuator import GROUP, PLURAL, VERSION, Actuator
+from edl_agent.restarter.adapters.events import EventWriter
+from edl_agent.restarter.adapters.watchers import ClusterWatcher, ListWatch
+from edl_agent.restarter.core.controller import Controller
+from edl_agent.restarter.core.metrics import RestarterMetrics
+from edl_agent.restarter.core.settings import ControllerSettings
 from edl_agent.runtime.supervisor import Part, Watched
 
 

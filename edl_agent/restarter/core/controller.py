@@ -39,18 +39,18 @@ import structlog
 
 from edl_agent.faults.model import Fault
 from edl_agent.kube_errors import ApiError
-from edl_agent.restarter.deciders import Deciders
-from edl_agent.restarter.dispatch import Admission, Dispatch
-from edl_agent.restarter.metrics import RestarterMetrics
-from edl_agent.restarter.plan import Task
-from edl_agent.restarter.policies import PolicyCache
-from edl_agent.restarter.port import ClusterPort, PodView
-from edl_agent.restarter.recorded import Recorded
-from edl_agent.restarter.replacer import Replacer
-from edl_agent.restarter.settings import ControllerSettings
-from edl_agent.restarter.storm import StormGuard
-from edl_agent.restarter.storm_watch import StormWatch
-from edl_agent.restarter.templates import GoneTemplates
+from edl_agent.restarter.core.deciders import Deciders
+from edl_agent.restarter.core.dispatch import Admission, Dispatch
+from edl_agent.restarter.core.metrics import RestarterMetrics
+from edl_agent.restarter.core.plan import Task
+from edl_agent.restarter.core.policies import PolicyCache
+from edl_agent.restarter.core.port import ClusterPort, PodView
+from edl_agent.restarter.core.recorded import Recorded
+from edl_agent.restarter.core.replacer import Replacer
+from edl_agent.restarter.core.settings import ControllerSettings
+from edl_agent.restarter.core.storm import StormGuard
+from edl_agent.restarter.core.storm_watch import StormWatch
+from edl_agent.restarter.core.templates import GoneTemplates
 from edl_agent.runtime.backoff import Backoff
 from edl_agent.runtime.supervisor import Part, StopSignal, Supervisor
 

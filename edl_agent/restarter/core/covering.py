@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from edl_agent.faults.model import PodRef
-from edl_agent.restarter.policy import Policy
+from edl_agent.restarter.core.policy import Policy
 
 Key = tuple[str, str]  # (namespace, name)
 

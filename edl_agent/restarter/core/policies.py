@@ -18,10 +18,10 @@ from edl_agent.faults.model import PodRef
 from edl_agent.kube_errors import ApiError
 from edl_agent.kube_objects import object_version
 from edl_agent.kube_time import format_micro_time
-from edl_agent.restarter.covering import PolicyIndex
-from edl_agent.restarter.policy import Policy
-from edl_agent.restarter.port import ClusterPort, Conflict
-from edl_agent.restarter.spec import parse_policy
+from edl_agent.restarter.core.covering import PolicyIndex
+from edl_agent.restarter.core.policy import Policy
+from edl_agent.restarter.core.port import ClusterPort, Conflict
+from edl_agent.restarter.core.spec import parse_policy
 from edl_agent.typed import SchemaError
 
 log = structlog.get_logger(__name__)

@@ -20,7 +20,7 @@ from kubernetes import client
 from edl_agent.kube import ApiError, call_json
 from edl_agent.kube_time import format_time
 from edl_agent.rate_limit import TokenBucket
-from edl_agent.restarter.reference import reference
+from edl_agent.restarter.core.reference import reference
 
 log = structlog.get_logger(__name__)
 

@@ -15,12 +15,12 @@ import structlog
 
 from edl_agent.faults.model import Fault
 from edl_agent.kube_errors import ApiError
-from edl_agent.restarter.plan import tidy
-from edl_agent.restarter.policies import PolicyCache
-from edl_agent.restarter.port import ClusterPort, Conflict
-from edl_agent.restarter.replacer import Replacer
-from edl_agent.restarter.status import pending_backoffs, pending_restarts
-from edl_agent.restarter.templates import GoneTemplates
+from edl_agent.restarter.core.plan import tidy
+from edl_agent.restarter.core.policies import PolicyCache
+from edl_agent.restarter.core.port import ClusterPort, Conflict
+from edl_agent.restarter.core.replacer import Replacer
+from edl_agent.restarter.core.status import pending_backoffs, pending_restarts
+from edl_agent.restarter.core.templates import GoneTemplates
 
 log = structlog.get_logger(__name__)
 

@@ -24,7 +24,13 @@ import structlog
 from kubernetes import client
 
 from edl_agent.kube import CONFLICT, MERGE_PATCH, NOT_FOUND, ApiError, call_json
-from edl_agent.restarter.lease import LeaseRecord, lease_spec, next_record, read_lease, released
+from edl_agent.restarter.core.lease import (
+    LeaseRecord,
+    lease_spec,
+    next_record,
+    read_lease,
+    released,
+)
 
 log = structlog.get_logger(__name__)
 

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from edl_agent.faults.model import FaultKind
-from edl_agent.restarter.settings import DEFAULT_DROP_LABELS, label_dropped
+from edl_agent.restarter.core.settings import DEFAULT_DROP_LABELS, label_dropped
 
 DELETED_BY_ANNOTATION = "edl.io/deleted-by"
 # The uid of the pod a replacement replaces: made before that pod is deleted, it tells every

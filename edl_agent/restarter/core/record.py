@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from edl_agent.restarter.policy import PodIdentity, Policy, RestartScope
+from edl_agent.restarter.core.policy import PodIdentity, Policy, RestartScope
 
 MIN_RETENTION = timedelta(hours=1)
 

@@ -19,10 +19,10 @@ from typing import Any
 from edl_agent.faults.in_place import restarts_in_place
 from edl_agent.faults.model import Fault, FaultKind, PodRef
 from edl_agent.faults.pod_faults import exit_counting_owner, pod_created, pod_ref
-from edl_agent.restarter.decide import Action, Decision, decide, describe
-from edl_agent.restarter.policy import Policy, RestartScope
-from edl_agent.restarter.spec import parse_policy
-from edl_agent.restarter.status import (
+from edl_agent.restarter.core.decide import Action, Decision, decide, describe
+from edl_agent.restarter.core.policy import Policy, RestartScope
+from edl_agent.restarter.core.spec import parse_policy
+from edl_agent.restarter.core.status import (
     PendingRestart,
     apply_decision,
     drop_pending,

@@ -10,9 +10,9 @@ from typing import Any
 import structlog
 
 from edl_agent.faults.model import Fault
-from edl_agent.restarter.dispatch import Dispatch
-from edl_agent.restarter.metrics import RestarterMetrics
-from edl_agent.restarter.port import PodView
+from edl_agent.restarter.core.dispatch import Dispatch
+from edl_agent.restarter.core.metrics import RestarterMetrics
+from edl_agent.restarter.core.port import PodView
 
 log = structlog.get_logger(__name__)
 

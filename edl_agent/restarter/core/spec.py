@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from edl_agent.restarter.policy import (
+from edl_agent.restarter.core.policy import (
     DEFAULT_RESTART_LIMIT,
     DEFAULT_RESTART_TIME_LIMIT,
     Backoff,
@@ -24,7 +24,7 @@ from edl_agent.restarter.policy import (
     RestartScope,
     Rule,
 )
-from edl_agent.restarter.selector import LabelSelector, Operator, Requirement
+from edl_agent.restarter.core.selector import LabelSelector, Operator, Requirement
 from edl_agent.typed import SchemaError, build
 
 MAX_RESTART_LIMIT = 1000  # each counting restart is a timestamp in the status

@@ -19,7 +19,7 @@ from typing import Any
 from edl_agent.faults.ids import parse_container_exit_id
 from edl_agent.faults.model import Fault, PodRef
 from edl_agent.faults.pod_faults import container_exit_faults, container_statuses, pod_node, pod_ref
-from edl_agent.restarter.auth import Refusal
+from edl_agent.restarter.core.callers import Refusal
 
 
 class Outcome(enum.Enum):

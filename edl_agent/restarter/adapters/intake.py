@@ -6,7 +6,7 @@ PERMISSION_DENIED). When the API server cannot review a token the call fails UNA
 the agent retries.
 
 An agent is believed only about its own node. Each fault of a call is judged first, on its own:
-it is refused (Ack REFUSED with the `auth.Refusal` as reason; the agent drops it) when it is
+it is refused (Ack REFUSED with the `callers.Refusal` as reason; the agent drops it) when it is
 about another node than the token's, names more pods than can share a device, is not a fault
 at all, or names a pod the restarter's pod cache shows bound to another node; a ContainerExit
 is believed only as the named pod's status shows it (`evidence`). Where the cache does not
@@ -64,7 +64,9 @@ from edl_agent.faults.bounds import bound, too_long_name
 from edl_agent.faults.convert import InvalidFault, from_proto
 from edl_agent.faults.ids import observer_scoped_id
 from edl_agent.faults.model import Fault, FaultKind, PodRef
-from edl_agent.restarter.auth import (
+from edl_agent.restarter.adapters.peer_gate import PeerGate
+from edl_agent.restarter.adapters.server_tls import CertificateError, ReloadingCertificate
+from edl_agent.restarter.core.callers import (
     Identity,
     Refusal,
     Review,
@@ -73,10 +75,8 @@ from edl_agent.restarter.auth import (
     caller_refusal,
     fault_refusal,
 )
-from edl_agent.restarter.evidence import Check, Outcome, check_exit, check_pod
-from edl_agent.restarter.metrics import IntakeCounts
-from edl_agent.restarter.peer_gate import PeerGate
-from edl_agent.restarter.server_tls import CertificateError, ReloadingCertificate
+from edl_agent.restarter.core.evidence import Check, Outcome, check_exit, check_pod
+from edl_agent.restarter.core.metrics import IntakeCounts
 from edl_agent.runtime import heap
 from edl_agent.runtime.bounded import BoundedMap, BoundedSet
 
@@ -126,7 +126,7 @@ class _Believed:
 
 class FaultIntake(fault_pb2_grpc.FaultIntakeServicer):
     """The servicer. `agent_user` is the agent's ServiceAccount user name
-    (`auth.service_account_user(namespace, name)`); `find_pod` looks a named pod up in the
+    (`callers.service_account_user(namespace, name)`); `find_pod` looks a named pod up in the
     restarter's pod cache (by uid, else by namespace and name; None: not known). Without
     `find_pod` no pod is known: a fault naming one waits out `cache_lag` and is refused."""
 

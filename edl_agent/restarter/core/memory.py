@@ -22,8 +22,12 @@ from typing import Any
 from edl_agent.faults.model import FaultKind, PodRef
 from edl_agent.kube_errors import ApiError
 from edl_agent.kube_time import format_time
-from edl_agent.restarter.port import Conflict, Replacement
-from edl_agent.restarter.replacement import NODE_FAULTS, REPLACES_UID_ANNOTATION, replacement_pod
+from edl_agent.restarter.core.port import Conflict, Replacement
+from edl_agent.restarter.core.replacement import (
+    NODE_FAULTS,
+    REPLACES_UID_ANNOTATION,
+    replacement_pod,
+)
 
 UNAVAILABLE = 503
 TOO_LARGE = 413

@@ -22,15 +22,15 @@ import structlog
 from edl_agent.faults.model import Fault
 from edl_agent.faults.pod_faults import exit_counting_owner, pod_ref
 from edl_agent.kube_errors import ApiError
-from edl_agent.restarter.decide import Action, Decision
-from edl_agent.restarter.metrics import RestarterMetrics
-from edl_agent.restarter.plan import Plan, Pod, Task, plan
-from edl_agent.restarter.policies import PolicyCache
-from edl_agent.restarter.policy import Policy, RestartScope
-from edl_agent.restarter.port import ClusterPort, Conflict, PodView
-from edl_agent.restarter.reference import reference
-from edl_agent.restarter.replacer import Replacer
-from edl_agent.restarter.templates import GoneTemplates
+from edl_agent.restarter.core.decide import Action, Decision
+from edl_agent.restarter.core.metrics import RestarterMetrics
+from edl_agent.restarter.core.plan import Plan, Pod, Task, plan
+from edl_agent.restarter.core.policies import PolicyCache
+from edl_agent.restarter.core.policy import Policy, RestartScope
+from edl_agent.restarter.core.port import ClusterPort, Conflict, PodView
+from edl_agent.restarter.core.reference import reference
+from edl_agent.restarter.core.replacer import Replacer
+from edl_agent.restarter.core.templates import GoneTemplates
 from edl_agent.runtime.bounded import BoundedSet
 
 log = structlog.get_logger(__name__)

@@ -19,7 +19,7 @@ from datetime import datetime
 from typing import Generic, TypeVar
 
 from edl_agent.faults.model import Fault, FaultKind
-from edl_agent.restarter.storm import StormGuard
+from edl_agent.restarter.core.storm import StormGuard
 from edl_agent.runtime.bounded import BoundedSet
 
 KEEP_IDS = 100_000

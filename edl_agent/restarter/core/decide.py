@@ -18,14 +18,14 @@ from datetime import datetime, timedelta
 
 from edl_agent.faults.bounds import named_ids
 from edl_agent.faults.model import Fault, FaultKind
-from edl_agent.restarter.policy import (
+from edl_agent.restarter.core.policy import (
     EVENT_OF_KIND,
     PodIdentity,
     Policy,
     RestartPolicy,
     RestartScope,
 )
-from edl_agent.restarter.record import JobRecord
+from edl_agent.restarter.core.record import JobRecord
 
 
 class Action(enum.StrEnum):

@@ -90,7 +90,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from edl_agent.faults.model import Fault, FaultKind, PodRef
-from edl_agent.restarter.selector import LabelSelector
+from edl_agent.restarter.core.selector import LabelSelector
 
 DEFAULT_RESTART_LIMIT = 10
 DEFAULT_RESTART_TIME_LIMIT = 600
