@@ -8,7 +8,7 @@ updates `DeviceState` (ListAndWatch, DRA and the node publisher wake on it), han
 to its writer (`health/quarantine_writer.py`) and publishes each change on the queues of its
 subscribers: device → pod faults (`faults/device_faults.py`), reset evidence
 (`health/reset_watch.py`) and quiet periods (`health/quiet_periods.py`). Remediation
-(`health/remediating.py`), the plugin round (`plugin/round.py`), the node publisher, the fault
+(`health/remediation.py`), the plugin round (`plugin/round.py`), the node publisher, the fault
 sender, the pod-exit watcher, DRA and the metrics server are parts as well. A part that dies is
 logged, counted and started again after a backoff; a slow part (a hung vendor tool, a kubelet
 whose pod-resources API does not answer) holds up only itself.
@@ -37,10 +37,11 @@ from edl_agent.health.hub import HealthHub
 from edl_agent.health.inventory_watch import InventoryWatch
 from edl_agent.health.model import HealthEvent
 from edl_agent.health.nvml_watch import NvmlWatcher
+from edl_agent.health.presence_watch import PresenceRound
 from edl_agent.health.quarantine_store import QuarantineStore, read_boot_id
 from edl_agent.health.quarantine_writer import QuarantineWriter
 from edl_agent.health.quiet_periods import QuietPeriods
-from edl_agent.health.remediating import Remediation
+from edl_agent.health.remediation import Remediation
 from edl_agent.health.reset_watch import ResetEvidence
 from edl_agent.health.state import DeviceState, Snapshot
 from edl_agent.health.tracker import Condition, HealthTracker
@@ -57,7 +58,6 @@ from edl_agent.labels.events import EventSpec
 from edl_agent.labels.marks import OperatorMarks
 from edl_agent.metrics.inputs import AgentCounts
 from edl_agent.plugin.manager import PluginManager
-from edl_agent.plugin.presence_round import PresenceRound
 from edl_agent.plugin.round import TICK_SECONDS, WATCHED_TICK_SECONDS, PluginRound
 from edl_agent.runtime import supervisor
 from edl_agent.runtime.supervisor import Part, Supervisor, Watched

@@ -19,7 +19,7 @@ from edl_agent.devices.carry import carry_forward
 from edl_agent.devices.discovery import discover_node
 from edl_agent.devices.hostroot import MAX_TOOL_OUTPUT, HostRoot, ToolError
 from edl_agent.devices.model import Health, Inventory, Vendor
-from edl_agent.health import polled
+from edl_agent.health import vendor_readings
 from edl_agent.sim import ascend_tree, hygon_tree, kunlunxin_tree
 from edl_agent.sim.profile import load_profile
 from edl_agent.sim.tree import build_tree
@@ -75,7 +75,7 @@ def test_a_broken_tool_keeps_the_last_inventory(tmp_path: Path, vendor: Vendor, 
     assert all(d.product == "unknown" for d in report.devices)
 
     health = HealthSettings(tool_timeout_seconds=0.5)
-    result = polled.poll(vendor, HostRoot.at(tree), before.devices, health)
+    result = vendor_readings.poll(vendor, HostRoot.at(tree), before.devices, health)
     assert not result.ok
     assert [(e.device_id, e.level.value) for e in result.events] == [(None, "warn")]
 

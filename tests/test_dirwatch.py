@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from edl_agent.plugin.dirwatch import DirectoryWatch
+from edl_agent.runtime.dirwatch import DirectoryWatch
 
 
 class Wakes:

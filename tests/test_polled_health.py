@@ -16,7 +16,7 @@ from edl_agent.devices import ascend, hygon, kunlunxin
 from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.model import Device, Vendor, VendorReport
 from edl_agent.health.model import HealthEvent, Level
-from edl_agent.health.polled import (
+from edl_agent.health.vendor_readings import (
     POLLERS,
     PollResult,
     clears,

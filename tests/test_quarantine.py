@@ -20,7 +20,7 @@ from edl_agent.health.classify import (
 from edl_agent.health.model import ClearsBy, HealthEvent, Level
 from edl_agent.health.nvml_reset import observable, was_reset
 from edl_agent.health.quarantine_store import Quarantine, QuarantineStore
-from edl_agent.health.reset_evidence import check_resets, waiting_for_reset
+from edl_agent.health.reset_rules import check_resets, waiting_for_reset
 from edl_agent.health.tracker import Condition
 from edl_agent.labels.condition import accelerator_health
 from edl_agent.log_limit import LogLimiter

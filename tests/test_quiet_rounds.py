@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from edl_agent.plugin.presence_round import PresenceRound
+from edl_agent.health.presence_watch import PresenceRound
 from edl_agent.plugin.round import PluginRound
 
 

@@ -23,7 +23,7 @@ from edl_agent.config import HealthSettings
 from edl_agent.devices import ascend, hygon, kunlunxin
 from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.model import Device, Health, Vendor
-from edl_agent.health.polled import poll_ascend, poll_hygon, poll_kunlunxin
+from edl_agent.health.vendor_readings import poll_ascend, poll_hygon, poll_kunlunxin
 from tests.real_nodes import REAL, ascend_node, hygon_node, kunlunxin_node, sample
 
 SETTINGS = HealthSettings()

@@ -11,7 +11,7 @@ import pytest
 from edl_agent.config import HealthSettings
 from edl_agent.devices import hygon
 from edl_agent.devices.hostroot import HostRoot
-from edl_agent.health.polled import poll_hygon
+from edl_agent.health.vendor_readings import poll_hygon
 from tests.real_nodes import REAL, ascend_node, hygon_node, sample
 from tests.test_real_vendor_outputs import _devices, cells, topology
 

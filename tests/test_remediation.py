@@ -11,7 +11,14 @@ import pytest
 
 from edl_agent.config import RemediationSettings
 from edl_agent.devices.model import Device, Vendor
-from edl_agent.health.remediation import Attempt, History, choose, command_for, held_ids, record
+from edl_agent.health.remediation_rules import (
+    Attempt,
+    History,
+    choose,
+    command_for,
+    held_ids,
+    record,
+)
 from edl_agent.sim import inject
 from tests.podresources_standin import PodResourcesStandIn
 from tests.test_health_agent import gpu_ids, health_of, watch_gpus

@@ -19,8 +19,8 @@ from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.kunlunxin_smi import parse_xpu_smi_list
 from edl_agent.devices.model import Device, VendorReport
 from edl_agent.health.model import Level
-from edl_agent.health.polled import poll_ascend, poll_hygon, poll_kunlunxin
-from edl_agent.health.remediation import Remediator, command_for, validate_reset
+from edl_agent.health.remediation_rules import Remediator, command_for, validate_reset
+from edl_agent.health.vendor_readings import poll_ascend, poll_hygon, poll_kunlunxin
 from edl_agent.sim import ascend_tree, hygon_tree, inject, kunlunxin_tree
 from edl_agent.sim.profile import Profile, load_profile, parse_profile, pci_bus_id
 from edl_agent.sim.tree import build_tree

@@ -31,7 +31,7 @@ from edl_agent.health.nvml_reset import Baseline
 from edl_agent.health.nvml_watch import GPU_LOST
 from edl_agent.health.quarantine_store import Quarantine
 from edl_agent.health.quarantine_writer import QuarantineWriter
-from edl_agent.health.reset_evidence import check_resets, waiting_for_reset
+from edl_agent.health.reset_rules import check_resets, waiting_for_reset
 from edl_agent.health.state import DeviceState
 from edl_agent.health.tracker import UNHEALTHY, Condition, HealthTracker, Transition
 from edl_agent.log_limit import LogLimiter

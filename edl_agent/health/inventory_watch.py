@@ -1,6 +1,6 @@
 """What is on the node, watched: device-node presence and periodic re-discovery.
 
-Presence (`check_presence`, run by the `presence` part of `plugin/presence_round.py` when a
+Presence (`check_presence`, run by the `presence` part of `health/presence_watch.py` when a
 device directory changes): a device whose /dev nodes vanished cannot be given to a container, so
 it is NODE_VANISHED (node fatal) until its nodes are back; a change under /dev also runs
 re-discovery at once. Re-discovery (`rediscovery` part, every

@@ -1,174 +1,155 @@
-"""Resetting idle quarantined devices (opt-in: `health.remediation.enabled`).
-
-A device quarantined for a fault a reset clears, held by no pod (kubelet's pod-resources; a GPU
-counts as held while any of its MIG devices or shares is), is reset with the vendor's configured
-command run from the host root, one device at a time per node and at most `max_per_hour`. The
-device then has to pass validation — read again through NVML or its tool, present and clean —
-before the agent ends its quarantine (a reset the agent performed and validated is evidence). A
-reset that fails, or that validation does not confirm, counts as an attempt; after
-`max_attempts` the device waits for an operator's release instead.
-
-`choose` and `record` are pure; `Remediator` runs commands and calls back into the agent.
-"""
+"""The `remediation` part (opt-in): every `health.remediation.interval_seconds` it resets one idle
+device whose quarantine a reset clears, if one may be reset now (`remediation.choose`), asks the
+health hub to end the quarantine once the reset is validated, and makes the device wait for an
+operator's release after `max_attempts` failed resets. Who holds a device comes from kubelet's
+pod-resources API; no answer means no reset (a reset must never touch a held device)."""
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
 
-from edl_agent.config import HealthSettings, RemediationSettings
-from edl_agent.devices.hostroot import HostRoot, ToolError
-from edl_agent.devices.model import Device, Vendor
-from edl_agent.health.nvml_reset import ACTION_NONE, LOST, RECOVERY_ACTION, read_baselines
-from edl_agent.health.polled import POLLERS, poll
+import structlog
 
-HOUR = 3600.0
-_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+from edl_agent.config import HealthSettings
+from edl_agent.devices.hostroot import HostRoot
+from edl_agent.health.hub import HealthHub
+from edl_agent.health.model import ClearsBy
+from edl_agent.health.remediation_rules import (
+    Attempt,
+    History,
+    Outcome,
+    Remediator,
+    choose,
+    held_ids,
+    record,
+    validate_reset,
+)
+from edl_agent.health.state import DeviceState, Snapshot
+from edl_agent.kubelet.podresources import Claimable, PodResourcesClient
+from edl_agent.runtime.supervisor import Every
 
-
-@dataclass(frozen=True)
-class Attempt:
-    device_id: str
-    at: float
-    ok: bool
-    detail: str = ""
-
-
-@dataclass(frozen=True)
-class History:
-    """Resets tried on this node (the last hour is what the rate limit looks at) and the failed
-    attempts per device since its quarantine began."""
-
-    attempts: tuple[Attempt, ...] = ()
-    failures: Mapping[str, int] = field(default_factory=dict)
-
-    def recent(self, now: float) -> int:
-        return sum(1 for a in self.attempts if now - a.at < HOUR)
+NORMAL, WARNING = "Normal", "Warning"  # the Event types of Kubernetes
 
 
-def choose(
-    *,
-    waiting: Sequence[Device],
-    held: Collection[str],
-    history: History,
-    now: float,
-    settings: RemediationSettings,
-) -> Device | None:
-    """The device to reset now, or None. `waiting` are physical devices whose quarantine a reset
-    clears; `held` the device ids pods hold (MIG devices and shares by their own ids). Devices of
-    a vendor without a command, held ones, and those that used up their attempts are skipped;
-    nothing is chosen once the hour's resets are spent."""
-    if not settings.enabled or history.recent(now) >= settings.max_per_hour:
-        return None
-    for device in sorted(waiting, key=lambda d: (d.vendor.value, d.index)):
-        if device.vendor.value not in settings.commands:
-            continue
-        if history.failures.get(device.id, 0) >= settings.max_attempts:
-            continue
-        if device.id in held or command_for(device, settings) is None:
-            continue
-        return device
-    return None
-
-
-def record(history: History, attempt: Attempt, *, now: float) -> History:
-    """`history` with `attempt` added (and attempts older than an hour dropped); a success
-    forgets the device's failures."""
-    attempts = (*(a for a in history.attempts if now - a.at < HOUR), attempt)
-    failures = dict(history.failures)
-    if attempt.ok:
-        failures.pop(attempt.device_id, None)
-    else:
-        failures[attempt.device_id] = failures.get(attempt.device_id, 0) + 1
-    return History(attempts, failures)
-
-
-def command_for(device: Device, settings: RemediationSettings) -> list[str] | None:
-    """The vendor's command with `{index}` and `{attribute}` filled in from the device; None
-    when it names an attribute the device lacks (an NPU whose id npu-smi did not list)."""
-    values = {"index": str(device.index), **device.attributes}
-    filled = []
-    for word in settings.commands[device.vendor.value]:
-        for name in _PLACEHOLDER.findall(word):
-            if name not in values:
-                return None
-        filled.append(_PLACEHOLDER.sub(lambda m: values[m.group(1)], word))
-    return filled
-
-
-def held_ids(devices: Iterable[Device], holders: Collection[str]) -> frozenset[str]:
-    """Ids of physical devices held directly or through one of their partitions."""
-    held = set(holders)
-    for device in devices:
-        if device.parent is not None and device.id in holders:
-            held.add(device.parent)
-    return frozenset(held)
-
-
-@dataclass(frozen=True)
-class Outcome:
-    device: Device
-    ok: bool
-    detail: str
-
-
-class Remediator:
-    """Runs one reset and its validation; the agent decides when and applies the outcome."""
-
+class Remediation:
     def __init__(
         self,
-        root: HostRoot,
-        settings: RemediationSettings,
         *,
-        validate: Callable[[Device], str | None],
+        hub: HealthHub,
+        state: DeviceState,
+        root: HostRoot,
+        settings: HealthSettings,
+        pods: PodResourcesClient,
+        claimable: Callable[[Snapshot], Claimable],
+        announce: Callable[[str, str, str], None],
+        release_annotation: str,
     ) -> None:
-        self.root = root
-        self.settings = settings
-        self._validate = validate
+        self._hub = hub
+        self._state = state
+        self._settings = settings.remediation
+        self._pods = pods
+        self._claimable = claimable
+        self._announce = announce  # (kind, reason, message): an Event on the Node
+        self._release_annotation = release_annotation
+        self._remediator = Remediator(
+            root, settings.remediation, validate=lambda d: validate_reset(root, d, settings)
+        )
+        self.history = History()
+        self.counts: Counter[tuple[str, str]] = Counter()  # (vendor, result)
+        self.rounds = 0  # rounds completed: what a test waits on to see a round decide nothing
+        self._log = structlog.get_logger().bind(part="remediation")
 
-    def reset(self, device: Device) -> Outcome:
-        """Run the reset command; then `validate` (None: the device reads clean, else why not)."""
-        command = command_for(device, self.settings)
-        if command is None:
-            return Outcome(device, ok=False, detail="the reset command names what the device lacks")
-        try:
-            output = self.root.read_tool(
-                command[0],
-                command[1:],
-                lambda text: text.strip().splitlines()[-1:] or [""],
-                timeout=self.settings.timeout_seconds,
+    def part(self, wake: threading.Event) -> Every:
+        """The `remediation` part: a round every `remediation.interval_seconds`."""
+        self._log.info(
+            "remediation on: idle devices waiting for a reset are reset",
+            vendors=sorted(self._settings.commands),
+            max_per_hour=self._settings.max_per_hour,
+            max_attempts=self._settings.max_attempts,
+        )
+        return Every("remediation", lambda: self._settings.interval_seconds, self.step, wake)
+
+    def step(self) -> None:
+        self.remediate(time.monotonic())
+        self.rounds += 1
+
+    def remediate(self, now: float) -> Outcome | None:
+        """Reset one idle device whose quarantine a reset clears, if any may be reset now."""
+        snapshot = self._state.snapshot()
+        devices = snapshot.inventory.devices
+        quarantined = self._hub.quarantined()
+        waiting_ids = {
+            (d.parent or d.id)
+            for d in devices
+            if any(c.clears_by is ClearsBy.RESET for c in quarantined.get(d.id, ()))
+        }
+        waiting = [d for d in devices if d.parent is None and d.id in waiting_ids]
+        if not waiting:
+            return None
+        holders = self._pods.pod_devices_known(snapshot.units, self._claimable(snapshot))
+        if holders is None:
+            self._log.info("no reset: kubelet's pod-resources API does not answer")
+            return None
+        device = choose(
+            waiting=waiting,
+            held=held_ids(devices, holders),
+            history=self.history,
+            now=now,
+            settings=self._settings,
+        )
+        if device is None:
+            return None
+        self._log.warning("resetting an idle quarantined device", device=device.id)
+        name = f"{device.vendor.value} {device.index} ({device.id})"
+        self._event(NORMAL, "AcceleratorResetting", f"{name} idle: reset by the agent")
+        outcome = self._remediator.reset(device)
+        self.history = record(
+            self.history, Attempt(device.id, now, outcome.ok, outcome.detail), now=now
+        )
+        family = [d.id for d in devices if device.id in (d.id, d.parent)]
+        exhausted = False
+        vendor = device.vendor.value
+        if outcome.ok:
+            self.counts[(vendor, "reset")] += 1
+            self._hub.reset_done(family)
+            self._event(NORMAL, "AcceleratorReset", f"{name} reset and validated: in service")
+        else:
+            failures = self.history.failures.get(device.id, 0)
+            exhausted = failures >= self._settings.max_attempts
+            self.counts[(vendor, "failed")] += 1
+            if exhausted:
+                self.counts[(vendor, "escalated")] += 1
+                self._hub.escalate(family)
+            self._event(WARNING, "AcceleratorResetFailed", f"{name}: {outcome.detail}")
+        if exhausted:
+            self._event(
+                WARNING,
+                "AcceleratorResetEscalated",
+                f"{name}: {self._settings.max_attempts} resets failed; "
+                f"waits for an operator's release ({self._release_annotation})",
             )
-        except ToolError as exc:
-            return Outcome(device, ok=False, detail=str(exc))
-        problem = self._validate(device)
-        if problem is not None:
-            return Outcome(device, ok=False, detail=f"reset ran, validation failed: {problem}")
-        return Outcome(device, ok=True, detail=f"{' '.join(command)}: {output[0]}".strip())
+        self._log.log(
+            20 if outcome.ok else 40,
+            "device reset" if outcome.ok else "device reset failed",
+            device=device.id,
+            detail=outcome.detail,
+            waits_for_release=exhausted or None,
+        )
+        return outcome
 
+    def counted(self, vendors: set[str]) -> dict[tuple[str, str], int]:
+        """The remediation counters for /metrics, every vendor's results at zero to start."""
+        if not self._settings.enabled:
+            return dict(self.counts)
+        zeros = {
+            (vendor, result): 0
+            for vendor in vendors & self._settings.commands.keys()
+            for result in ("reset", "failed", "escalated")
+        }
+        return zeros | dict(self.counts)
 
-def validate_reset(root: HostRoot, device: Device, settings: HealthSettings) -> str | None:
-    """After a reset: None when the device reads present and clean, else what is wrong.
-    NVIDIA: NVML reads the GPU, it is not lost and the driver asks for no recovery action.
-    Polled vendors: one poll of the device works and reports nothing severe for it."""
-    if device.vendor is Vendor.NVIDIA:
-        return _validate_gpu(root, device)
-    if device.vendor not in POLLERS:
-        return None
-    result = poll(device.vendor, root, [device], settings)
-    if not result.ok:
-        return "; ".join(e.detail for e in result.events) or "the tool failed"
-    severe = [e for e in result.events if e.device_id == device.id and e.level.unhealthy]
-    return f"{severe[0].reason}: {severe[0].detail}" if severe else None
-
-
-def _validate_gpu(root: HostRoot, device: Device) -> str | None:
-    reading = read_baselines(root, [device.id]).get(device.id)
-    if reading is None:
-        return "NVML cannot read the GPU"
-    if reading.get(LOST):
-        return "the GPU is lost"
-    action = reading.get(RECOVERY_ACTION)
-    if action not in (None, ACTION_NONE):
-        return f"the driver still reports recovery action {action}"
-    return None
+    def _event(self, kind: str, reason: str, message: str) -> None:
+        self._announce(kind, reason, message)

@@ -20,8 +20,8 @@ from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.model import Vendor
 from edl_agent.health.hub import HealthHub
 from edl_agent.health.model import DeviceTelemetry
-from edl_agent.health.polled import POLLERS, poll
 from edl_agent.health.state import DeviceState
+from edl_agent.health.vendor_readings import POLLERS, poll
 from edl_agent.runtime.supervisor import Every
 
 POLLED_REASON_PREFIXES = ("XPU_", "DCU_", "NPU_")

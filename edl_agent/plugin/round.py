@@ -14,8 +14,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from edl_agent.plugin.dirwatch import DirectoryWatch
 from edl_agent.plugin.manager import PluginManager
+from edl_agent.runtime.dirwatch import DirectoryWatch
 
 TICK_SECONDS = 0.25
 WATCHED_TICK_SECONDS = 5.0

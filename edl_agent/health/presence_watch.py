@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from edl_agent.plugin.dirwatch import DirectoryWatch
+from edl_agent.runtime.dirwatch import DirectoryWatch
 
 BACKSTOP_SECONDS = 60.0
 
