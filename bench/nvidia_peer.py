@@ -57,6 +57,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import build_nvidia_plugin  # noqa: E402
 from benchstats import percentile, print_side_by_side  # noqa: E402
+from runtime_venv import runtime_python  # noqa: E402
 
 from edl_agent._proto.deviceplugin.v1beta1 import api_pb2  # noqa: E402
 from edl_agent.sim import inject, nvidia_tree  # noqa: E402
@@ -152,7 +153,7 @@ def write_mig_minors(path: Path, gpus: list[dict[str, str]], migs: list[dict[str
 
 def ours_command(node: Node) -> tuple[list[str], dict[str, str]]:
     argv = [
-        sys.executable, "-m", "edl_agent.cli", "run", "--host-root", str(node.tree),
+        str(runtime_python()), "-m", "edl_agent.cli", "run", "--host-root", str(node.tree),
         "--kubelet-dir", str(node.kubelet_dir), "--metrics-addr", "127.0.0.1:0",
         "--state-dir", str(node.work / "state"), "--log-level", "warning",
         "--set", "plugin.nvidia_device_specs=true", "--set", "nvidia.mig_strategy=mixed",

@@ -11,12 +11,14 @@ import pytest
 from structlog.testing import capture_logs
 
 from edl_agent.config import HealthSettings
+from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.model import Device, Inventory, Vendor, VendorReport
 from edl_agent.health.hub import HealthHub
 from edl_agent.health.model import ClearsBy, Evidence, HealthEvent, Level
 from edl_agent.health.quarantine_store import Quarantine, QuarantineStore
 from edl_agent.health.quarantine_writer import QuarantineWriter
 from edl_agent.health.quiet_periods import QuietPeriods
+from edl_agent.health.reset_watch import ResetEvidence
 from edl_agent.health.state import DeviceState
 from tests.waiting import wait_until
 
@@ -189,3 +191,39 @@ def test_readyz_and_the_node_condition_say_what_the_disk_does_not_hold_until_it_
         assert node.agent.ready() == (True, "ok")
         wait_until(lambda: note not in condition(), 10, what="the condition without the note")
         assert condition().startswith("1 of 8 accelerators unhealthy")
+
+
+class RecordedWaits(threading.Event):
+    """A wake-up that records how long the part asked to sleep, and stops it after `rounds`."""
+
+    def __init__(self, stop: threading.Event, rounds: int) -> None:
+        super().__init__()
+        self.stop, self.rounds = stop, rounds
+        self.timeouts: list[float | None] = []
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.timeouts.append(timeout)
+        if len(self.timeouts) >= self.rounds:
+            self.stop.set()
+        return True
+
+
+def test_reset_evidence_sleeps_until_woken_unless_a_device_waits_for_a_reset(
+    tmp_path: Path,
+) -> None:
+    """Nothing waits for a reset: the part asks for no timeout (it wakes only on the hub's
+    news); a quarantined GPU that a reset clears is read again every interval (a reset by hand
+    sends no event)."""
+    hub = HealthHub(DeviceState(INVENTORY), HealthSettings(), boot_id="boot-1")
+    stop = threading.Event()
+    wake = RecordedWaits(stop, rounds=2)
+    part = ResetEvidence(hub, HostRoot.at(str(tmp_path)), wake, interval=lambda: 7.0)
+    hub.report(xid("GPU-1", 79, clears_by=ClearsBy.RESET))
+    part.run(stop, lambda: None)
+    assert wake.timeouts == [7.0, 7.0]
+    hub.reset_done({"GPU-1"})
+    stop.clear()
+    wake = RecordedWaits(stop, rounds=1)
+    part = ResetEvidence(hub, HostRoot.at(str(tmp_path)), wake, interval=lambda: 7.0)
+    part.run(stop, lambda: None)
+    assert wake.timeouts == [None]

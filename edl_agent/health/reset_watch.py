@@ -1,11 +1,13 @@
-"""Reset evidence, read on events: NVML reset marks of quarantined NVIDIA devices and the node's
-boot id.
+"""Reset evidence, read on events: NVML reset marks of quarantined NVIDIA devices.
 
 The `reset-evidence` part wakes when the health hub quarantines a device (its subscription): the
 GPU's marks are read at once, so a reset that follows at once finds a baseline to differ from.
-Between events it reads every `interval` seconds (at least `MIN_INTERVAL_SECONDS`): a reset by
-hand or a reboot sends no event, and one NVML session per round is all it costs. With nothing
-waiting for a reset a round reads only the boot id.
+While a device waits for a reset it reads again every `interval` seconds (at least
+`MIN_INTERVAL_SECONDS`): a reset by hand sends no event, and one NVML session per round is all it
+costs. With nothing waiting for a reset it sleeps until the hub wakes it.
+
+A reboot ends the agent's process, so the boot id that tells of one is read as the agent starts
+(the hub compares it with the restored quarantine's); it is read here only when that read failed.
 """
 
 from __future__ import annotations
@@ -46,20 +48,21 @@ class ResetEvidence:
     def run(self, stop: threading.Event, ready: Callable[[], None]) -> None:
         while not stop.is_set():
             self._subscription.take()  # what turned is read again below, with the rest
-            self.check()
+            waiting = self.check()
             ready()
-            self._wake.wait(max(self._interval(), MIN_INTERVAL_SECONDS))
+            self._wake.wait(max(self._interval(), MIN_INTERVAL_SECONDS) if waiting else None)
             self._wake.clear()
 
-    def check(self) -> None:
-        """Look for evidence that quarantined NVIDIA devices were reset (NVML) and that the node
-        rebooted (its boot id) while this agent ran; a device just quarantined gets its
-        baseline."""
-        boot_id = read_boot_id(self._root.read_optional)
-        if boot_id is not None:
-            self._hub.rebooted(boot_id)
+    def check(self) -> bool:
+        """Look for evidence that quarantined NVIDIA devices were reset (NVML); a device just
+        quarantined gets its baseline. True while a device waits for a reset."""
+        if self._hub.boot_id is None:
+            boot_id = read_boot_id(self._root.read_optional)
+            if boot_id is not None:
+                self._hub.rebooted(boot_id)
         waiting = self._hub.waiting_for_reset()
         if waiting:
             readings = read_baselines(self._root, set(waiting.values()))
             self._hub.reset_readings(waiting, readings)
         self.rounds += 1
+        return bool(waiting)

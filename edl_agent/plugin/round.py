@@ -2,11 +2,13 @@
 kubelet (`PluginManager.sync`), round after round.
 
 A round comes at once when kubelet's device-plugin directory changes (a kubelet restart deletes
-every socket there and makes a new `kubelet.sock`: `DirectoryWatch`, owned and stopped by this
-part) or when the inventory changes (`wake`). Otherwise it waits `watched_tick_seconds` (5 s):
-nothing else needs it then. It comes every `tick_seconds` (0.25 s) only while something is under
-way: a registration that kubelet has not accepted yet (its retries are due on the round), or
-while kubelet's directory cannot be watched (the round is then the only way to see a restart).
+every socket there and makes a new `kubelet.sock`; a socket of ours removed is a change there too:
+`DirectoryWatch`, owned and stopped by this part) or when the inventory changes (`wake`).
+Otherwise it sleeps until one of those: nothing else needs it then. It comes every `tick_seconds`
+(0.25 s) only while something is under way: a registration that kubelet has not accepted yet (its
+retries are due on the round), or while kubelet's directory cannot be watched (the round is then
+the only way to see a restart). A round that failed is tried again after
+`watched_tick_seconds` (5 s).
 """
 
 from __future__ import annotations
@@ -39,10 +41,16 @@ class PluginRound:
         self.tick_seconds = tick_seconds
         self.watched_tick_seconds = watched_tick_seconds
         self.watched = False
+        self.failed = False  # the last round raised: tried again after watched_tick_seconds
         self.served = threading.Event()  # set once a round has served every resource
 
     def sync(self) -> None:
-        self._guarded("plugins", self.plugins.sync)
+        self.failed = True
+        self._guarded("plugins", self._sync)
+
+    def _sync(self) -> None:
+        self.plugins.sync()
+        self.failed = False
 
     def run(self, stop: threading.Event, ready: Callable[[], None]) -> None:
         watch = DirectoryWatch(self.plugins.directory, self.wake.set)
@@ -58,7 +66,8 @@ class PluginRound:
             watch.stop()
             self.watched = False
 
-    def next_wait(self) -> float:
+    def next_wait(self) -> float | None:
+        """Seconds until the next round; None: only when woken."""
         if not self.watched or self.plugins.registering:
             return self.tick_seconds
-        return self.watched_tick_seconds
+        return self.watched_tick_seconds if self.failed else None
