@@ -21,6 +21,7 @@ from edl_agent import __version__
 from edl_agent._proto.podresources.v1 import api_pb2
 from edl_agent.config import load_settings
 from edl_agent.devices.discovery import discover_node
+from edl_agent.devices.tool_runs import TOOL_RUNS
 from edl_agent.health.model import DeviceTelemetry, Level
 from edl_agent.health.state import DeviceState
 from edl_agent.kubelet.podresources import PodRef, PodResourcesClient, attribute, pod_devices
@@ -671,3 +672,35 @@ def test_a_real_prometheus_sees_a_device_go_unhealthy(state: DeviceState, tmp_pa
             poll=0.2,
         )
         assert value('sum(edl_device_healthy{index!="3"})') == "7"
+
+
+def test_every_vendor_tool_run_is_counted_with_its_time(tmp_path: Path, state: DeviceState) -> None:
+    """A tool that works and one that fails both count: each is a process the agent started."""
+    from edl_agent.devices.hostroot import HostRoot, ToolError
+    from edl_agent.devices.tool_runs import ToolRuns
+
+    tools = tmp_path / "usr" / "bin"
+    tools.mkdir(parents=True)
+    for name, status in (("fine-smi", 0), ("broken-smi", 3)):
+        (tools / name).write_text(f"#!/bin/sh\necho reading\nexit {status}\n")
+        (tools / name).chmod(0o755)
+    root = HostRoot.at(tmp_path)
+    before = TOOL_RUNS.snapshot()
+    assert root.read_tool("fine-smi", [], str.strip) == "reading"
+    assert root.read_tool("fine-smi", ["-q"], str.strip) == "reading"
+    with pytest.raises(ToolError):
+        root.read_tool("broken-smi", [], str.strip)
+    after = TOOL_RUNS.snapshot()
+    ran = {tool: after[tool].runs - (before[tool].runs if tool in before else 0) for tool in after}
+    assert ran["fine-smi"] == 2
+    assert ran["broken-smi"] == 1
+    assert after["fine-smi"].seconds > 0
+
+    counted = ToolRuns()
+    counted.record("npu-smi", 0.25)
+    counted.record("npu-smi", 0.5)
+    found = samples(scrape(EdlCollector(snapshot=state.snapshot, tool_runs=counted.snapshot)))
+    assert series(found, "edl_vendor_tool_runs_total") == {frozenset({("tool", "npu-smi")}): 2.0}
+    assert series(found, "edl_vendor_tool_seconds_total") == {
+        frozenset({("tool", "npu-smi")}): 0.75
+    }

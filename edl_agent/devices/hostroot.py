@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TypeVar, cast
 
+from edl_agent.devices.tool_runs import TOOL_RUNS
+
 T = TypeVar("T")
 
 # Where vendor command-line tools live on the nodes we support, in search order.
@@ -104,6 +106,13 @@ class HostRoot:
         runs in a session of its own: on a timeout or an overflow its whole process group is
         killed and reaped, so nothing it started is left behind."""
         command = f"{tool.name} {' '.join(args)}".strip()
+        started = time.monotonic()
+        try:
+            return self._run_tool(tool, args, command, timeout)
+        finally:
+            TOOL_RUNS.record(tool.name, time.monotonic() - started)
+
+    def _run_tool(self, tool: Path, args: Sequence[str], command: str, timeout: float) -> str:
         try:
             process = subprocess.Popen(
                 [str(tool), *args],

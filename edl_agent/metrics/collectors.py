@@ -29,6 +29,7 @@ from prometheus_client.metrics_core import (
 
 from edl_agent import __version__
 from edl_agent.devices.model import Device
+from edl_agent.devices.tool_runs import TOOL_RUNS, ToolCost
 from edl_agent.health.model import DeviceTelemetry
 from edl_agent.health.state import Snapshot
 from edl_agent.kubelet.podresources import PodRef
@@ -70,6 +71,7 @@ class EdlCollector:
         health_counts: Callable[[], HealthCounts] = HealthCounts,
         agent_counts: Callable[[], AgentCounts] = AgentCounts,
         pods: Callable[[], Mapping[str, Sequence[PodRef]]] = _no_pods,
+        tool_runs: Callable[[], Mapping[str, ToolCost]] = TOOL_RUNS.snapshot,
         version: str = __version__,
     ) -> None:
         self._snapshot = snapshot
@@ -77,6 +79,7 @@ class EdlCollector:
         self._health_counts = health_counts
         self._agent_counts = agent_counts
         self._pods = pods
+        self._tool_runs = tool_runs
         self._version = version
         self._lock = threading.Lock()
         self._problems: dict[str, str] = {}
@@ -94,6 +97,7 @@ class EdlCollector:
         telemetry = self._read("telemetry", lambda: list(self._telemetry()))
         health = self._read("health_counts", self._health_counts)
         agent = self._read("agent_counts", self._agent_counts)
+        tools = self._read("tool_runs", self._tool_runs)
 
         families = _Families()
         if snapshot is not None:
@@ -104,6 +108,9 @@ class EdlCollector:
             _health(families, snapshot, health)
         if agent is not None:
             _agent(families, agent)
+        for tool, cost in sorted((tools or {}).items()):
+            families.tool_runs.add_metric([tool], cost.runs)
+            families.tool_seconds.add_metric([tool], cost.seconds)
         families.info.add_metric([], {"version": self._version})
         with self._lock:
             for source, count in sorted(self._source_errors.items()):
@@ -351,6 +358,20 @@ class _Families:
             "edl_quarantine_unsaved",
             "1 while the quarantine could not be saved (it is kept in memory and tried again).",
             labels=(),
+        )
+    )
+    tool_runs: CounterMetricFamily = field(
+        default_factory=lambda: CounterMetricFamily(
+            "edl_vendor_tool_runs",
+            "Vendor tool processes the agent started (health polls, discovery, resets), by tool.",
+            labels=("tool",),
+        )
+    )
+    tool_seconds: CounterMetricFamily = field(
+        default_factory=lambda: CounterMetricFamily(
+            "edl_vendor_tool_seconds",
+            "Wall-clock seconds the agent's vendor tool processes ran, by tool.",
+            labels=("tool",),
         )
     )
     source_errors: CounterMetricFamily = field(
