@@ -387,8 +387,16 @@ def test_an_xid_taints_the_device_shows_in_the_pod_and_keeps_new_claims_off_unti
     # Six GPUs are free, one of them tainted: a claim for six waits until the taint goes.
     make_claim(custom, ns, "six", GPU_DRIVER, count=6)
     k8s.core.create_namespaced_pod(ns, claim_pod("six", "six"))
-    time.sleep(3)
-    assert k8s.core.read_namespaced_pod("six", ns).status.phase == "Pending"
+    pending = wait_for(
+        "the scheduler to find no room for six GPUs while one is tainted",
+        lambda: k8s.core.read_namespaced_pod("six", ns),
+        lambda pod: any(
+            c.type == "PodScheduled" and c.status == "False" and c.reason == "Unschedulable"
+            for c in pod.status.conditions or ()
+        ),
+        timeout=STEP,
+    )
+    assert pending.status.phase == "Pending"
     assert allocated(read_claim(custom, ns, "six")) == []
     wait_phase(k8s.core, ns, "six", "Running", timeout=STEP)  # the quiet period ended
     assert allocated(read_claim(custom, ns, "six")) == free

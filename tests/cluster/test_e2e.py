@@ -60,6 +60,7 @@ from kubelet_helpers import (
 )
 from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
+from prometheus_client.parser import text_string_to_metric_families
 from scheduler import Process, free_port, spawn, tail
 from test_node_labels import install_manifest, sa_client
 from test_restarter import GROUP, PLURAL, VERSION, crd, restarter_rbac  # noqa: F401 - fixtures
@@ -728,7 +729,13 @@ def in_place_phase(scene: Scene, node: str, pool: str) -> None:
     )
     assert not any(a["action"] == "Restart" for a in job.get("lastActions", [])), job
     assert job.get("restarts", 0) == 0
-    time.sleep(3)  # time for a wrong replacement to show
+    # Nothing in the restarter's hands: what it decided for this exit is all done by now.
+    wait_for(
+        "the restarter's queue empty",
+        lambda: _queue_depth(scene.restarter),
+        lambda depth: depth == 0,
+        STEP_TIMEOUT,
+    )
     assert pod_or_none(k8s, f"{name}-r1") is None
     pod = k8s.read_pod(name)
     assert pod.metadata.uid == uid
@@ -965,6 +972,22 @@ def _readyz(process: Process, port: int) -> tuple[int | None, str]:
             return int(exc.code), exc.read().decode(errors="replace")
     except OSError as exc:
         return None, str(exc)
+
+
+def _queue_depth(restarter: Process) -> float | None:
+    """`edl_restarter_queue_depth`: the faults and tasks it holds until what it decided is done."""
+    restarter.check_alive()
+    [port] = [a.rpartition(":")[2] for a in restarter.popen.args if a.startswith("--metrics-addr=")]
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as answer:
+            text = answer.read().decode()
+    except OSError:
+        return None
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "edl_restarter_queue_depth":
+                return float(sample.value)
+    return None
 
 
 def _accepts(process: Process, port: int) -> bool:
