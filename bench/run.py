@@ -48,6 +48,7 @@ BENCHMARKS = [
     ("metrics", "metrics_bench.py"),
     ("restarter", "restarter_bench.py"),
     ("intake_storm", "intake_storm.py"),
+    ("idle_minute", "idle_minute.py"),
     ("dra", "dra_bench.py"),
     ("nvidia_peer", "nvidia_peer.py"),
     ("node_peer", "node_peer.py"),
