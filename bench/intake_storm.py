@@ -34,7 +34,8 @@ REPO = Path(__file__).resolve().parent.parent
 SERVER = """
 import sys, threading
 from pathlib import Path
-from edl_agent.restarter.adapters.intake import FaultIntake, IntakeServer
+from edl_agent.restarter.adapters.intake import FaultIntake
+from edl_agent.restarter.adapters.intake_server import IntakeServer
 
 from edl_agent.restarter.core.callers import Identity
 intake = FaultIntake(

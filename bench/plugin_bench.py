@@ -58,7 +58,7 @@ def main() -> int:
                 "faults": {"state_dir": str(Path(tmp) / "state")},
             }
         )
-        agent = Agent(settings)
+        agent = Agent.discover(settings)
         thread = threading.Thread(target=agent.run)
         thread.start()
         try:

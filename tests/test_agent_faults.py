@@ -16,7 +16,8 @@ import grpc
 import pytest
 
 from edl_agent.agent import Agent
-from edl_agent.cli import build_parser, settings_from_args
+from edl_agent.cli.command import build_parser
+from edl_agent.cli.settings import settings_from_args
 from edl_agent.config import load_settings
 from edl_agent.faults.ids import container_exit_id, device_unhealthy_id
 from edl_agent.faults.model import FaultKind, PodRef
@@ -179,7 +180,7 @@ def test_an_xid_on_a_held_gpu_is_a_fault_naming_the_pod(
         },
     )
     (tmp_path / "kubelet").mkdir()
-    agent = Agent(settings)
+    agent = Agent.discover(settings)
     gpus = {d.index: d for d in agent.state.snapshot().inventory.devices}
     pod_resources.assign({("ml", "trainer-x"): {"main": {"nvidia.com/gpu": [gpus[3].id]}}})
     agent.start_faults(None)
@@ -187,10 +188,11 @@ def test_an_xid_on_a_held_gpu_is_a_fault_naming_the_pod(
     thread.start()
     try:
         assert agent.wait_ready(20)
-        outbox = agent.outbox
+        outbox = agent.faults.outbox
         assert outbox is not None
         wait_until(
-            what="the NVML watcher", done=lambda: agent.nvml is not None and agent.nvml.ready
+            what="the NVML watcher",
+            done=lambda: agent.health.nvml is not None and agent.health.nvml.ready,
         )
         inject_xid(tree, 5, 79)  # held by no pod: logged, nothing to restart
         inject_xid(tree, 3, 79)
@@ -201,7 +203,7 @@ def test_an_xid_on_a_held_gpu_is_a_fault_naming_the_pod(
         agent.stop.set()
         thread.join(timeout=10)
     assert not thread.is_alive()
-    assert agent.outbox is None  # closed on stop, so a restarted agent can open it
+    assert agent.faults.outbox is None  # closed on stop, so a restarted agent can open it
     reopened = Outbox(state_dir / "outbox")  # the fault outlives the agent
     try:
         [fault] = reopened.pending()
@@ -241,7 +243,7 @@ def test_a_device_fault_waits_for_kubelets_pod_resources_answer_instead_of_being
         },
     )
     (tmp_path / "kubelet").mkdir()
-    agent = Agent(settings)
+    agent = Agent.discover(settings)
     gpus = {d.index: d for d in agent.state.snapshot().inventory.devices}
     pod_resources.assign({("ml", "trainer-y"): {"main": {"nvidia.com/gpu": [gpus[2].id]}}})
     pod_resources.fail_with(grpc.StatusCode.UNAVAILABLE)
@@ -250,10 +252,11 @@ def test_a_device_fault_waits_for_kubelets_pod_resources_answer_instead_of_being
     thread.start()
     try:
         assert agent.wait_ready(20)
-        outbox = agent.outbox
+        outbox = agent.faults.outbox
         assert outbox is not None
         wait_until(
-            what="the NVML watcher", done=lambda: agent.nvml is not None and agent.nvml.ready
+            what="the NVML watcher",
+            done=lambda: agent.health.nvml is not None and agent.health.nvml.ready,
         )
         inject_xid(tree, 2, 79)
         wait_until(what="GPU 2 unhealthy", done=lambda: gpus[2].id in agent.unhealthy())
@@ -285,7 +288,7 @@ def test_xids_reach_list_and_watch_while_kubelets_pod_resources_api_hangs(
         ids = gpu_ids(node)
         pod_resources.assign({("ml", "trainer-z"): {"main": {"nvidia.com/gpu": ids}}})
         watch = watch_gpus(node)
-        nvml = node.agent.nvml
+        nvml = node.agent.health.nvml
         wait_until(what="the NVML watcher", done=lambda: nvml is not None and nvml.ready)
         pod_resources.hang()
         try:

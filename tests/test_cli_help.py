@@ -15,8 +15,10 @@ from typing import Any
 import pytest
 import yaml
 
-from edl_agent import cli
+from edl_agent import log
 from edl_agent.cli import main
+from edl_agent.cli.command import build_parser
+from edl_agent.cli.settings import settings_from_args
 from edl_agent.settings_loader import PRECEDENCE
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -61,14 +63,14 @@ def test_the_readme_states_the_precedence_for_both_processes() -> None:
 def test_the_precedence_is_what_the_agent_does(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setattr(cli.log, "configure", lambda *_a, **_k: None)
+    monkeypatch.setattr(log, "configure", lambda *_a, **_k: None)
     file = tmp_path / "edl.yaml"
     file.write_text("log_level: error\nnode_name: from-file\n")
-    parser = cli.build_parser()
+    parser = build_parser()
 
     def level(*argv: str, env: dict[str, str]) -> str:
         args = parser.parse_args(["config", "--config", str(file), *argv])
-        return cli.settings_from_args(args, environ=env).log_level
+        return settings_from_args(args, environ=env).log_level
 
     assert level(env={}) == "error"  # the file
     assert level(env={"EDL_LOG_LEVEL": "warning"}) == "warning"  # environment over file

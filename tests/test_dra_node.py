@@ -56,7 +56,7 @@ def dra_node(tmp_path: Path, serve: str, **extra: Any) -> Iterator[Agent]:
             **extra,
         },
     )
-    agent = Agent(settings)
+    agent = Agent.discover(settings)
     agent.start_dra(None)
     thread = threading.Thread(target=agent.run, name="agent")
     thread.start()

@@ -31,7 +31,8 @@ from edl_agent.faults.outbox import Outbox
 from edl_agent.faults.pod_faults import container_exit_faults
 from edl_agent.faults.sender import RECONNECT_MAX_MS, Sender, SenderSettings
 from edl_agent.restarter.adapters.auth import CachedReviewer
-from edl_agent.restarter.adapters.intake import FaultIntake, IntakeError, IntakeServer
+from edl_agent.restarter.adapters.intake import FaultIntake
+from edl_agent.restarter.adapters.intake_server import IntakeError, IntakeServer
 from edl_agent.restarter.core.callers import (
     NODE_NAME_EXTRA,
     Identity,
@@ -40,6 +41,8 @@ from edl_agent.restarter.core.callers import (
     service_account_user,
 )
 from edl_agent.runtime.backoff import backoff_delay
+from tests.parts import running
+from tests.parts import stop as stop_parts
 from tests.waiting import wait_until
 
 T0 = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
@@ -410,14 +413,14 @@ def sender_for(
 
 def test_the_sender_delivers_and_forgets(restarter: Restarter, tmp_path: Path) -> None:
     outbox, sender = sender_for(tmp_path, restarter.address, batch_size=2)
-    sender.start()
+    sending = running(sender)
     try:
         for n in range(5):
             outbox.enqueue(fault(n))
         outbox.enqueue(fault(9, node="node-b"))  # refused: dropped, never retried
         wait_until(lambda: len(outbox) == 0, what="the outbox to empty")
     finally:
-        sender.stop()
+        stop_parts(sending)
         outbox.close()
     assert restarter.ids() == {fid(n): 1 for n in range(5)}
     counts = sender.counts()
@@ -431,7 +434,7 @@ def test_a_fault_the_restarter_cannot_record_stays_in_the_outbox(
     keeps the whole batch and sends it again until it is recorded."""
     restarter.fail_sink = True
     outbox, sender = sender_for(tmp_path, restarter.address)
-    sender.start()
+    sending = running(sender)
     try:
         outbox.enqueue(fault(1))
         outbox.enqueue(fault(2))
@@ -440,7 +443,7 @@ def test_a_fault_the_restarter_cannot_record_stays_in_the_outbox(
         restarter.fail_sink = False
         wait_until(lambda: len(outbox) == 0, what="the outbox to empty")
     finally:
-        sender.stop()
+        stop_parts(sending)
         outbox.close()
     assert restarter.ids() == {fid(1): 1, fid(2): 1}
 
@@ -452,7 +455,7 @@ def test_a_fault_the_cache_does_not_show_yet_is_sent_again_not_dropped(
     without holding up the others or counting as a failed call."""
     restarter.not_cached.add("worker-7")
     outbox, sender = sender_for(tmp_path, restarter.address, retry_later=0.05)
-    sender.start()
+    sending = running(sender)
     try:
         outbox.enqueue(fault(7))
         outbox.enqueue(fault(1))
@@ -462,7 +465,7 @@ def test_a_fault_the_cache_does_not_show_yet_is_sent_again_not_dropped(
         restarter.not_cached.clear()  # the cache caught up
         wait_until(lambda: len(outbox) == 0, what="the outbox to empty")
     finally:
-        sender.stop()
+        stop_parts(sending)
         outbox.close()
     assert restarter.ids() == {fid(1): 1, fid(7): 1}
     assert (sender.counts().call_failures, sender.counts().refused) == (0, 0)
@@ -471,7 +474,7 @@ def test_a_fault_the_cache_does_not_show_yet_is_sent_again_not_dropped(
 def test_the_sender_waits_out_an_outage(tmp_path: Path) -> None:
     port = free_port()
     outbox, sender = sender_for(tmp_path, f"127.0.0.1:{port}")
-    sender.start()
+    sending = running(sender)
     later = Restarter(port)
     try:
         outbox.enqueue(fault(1))
@@ -480,7 +483,7 @@ def test_the_sender_waits_out_an_outage(tmp_path: Path) -> None:
         outbox.enqueue(fault(2))
         wait_until(lambda: len(outbox) == 0, what="the outbox to empty")
     finally:
-        sender.stop()
+        stop_parts(sending)
         outbox.close()
         later.server.stop(0)
     assert later.ids() == {fid(1): 1, fid(2): 1}
@@ -497,7 +500,7 @@ def test_a_fault_queued_in_an_outage_goes_within_the_backoff_cap_once_the_intake
     cap = 1.0
     outbox, sender = sender_for(tmp_path, f"127.0.0.1:{port}", backoff_initial=0.1, backoff_max=cap)
     later = Restarter(port)
-    sender.start()
+    sending = running(sender)
     try:
         outbox.enqueue(fault(1))
         # Eight failures in a row: the backoff has been at its cap for four (0.1, 0.2, 0.4, 0.8,
@@ -507,7 +510,7 @@ def test_a_fault_queued_in_an_outage_goes_within_the_backoff_cap_once_the_intake
         later.server.start()
         wait_until(lambda: len(outbox) == 0, 30, what="the fault delivered")
     finally:
-        sender.stop()
+        stop_parts(sending)
         outbox.close()
         later.server.stop(0)
     assert later.ids() == {fid(1): 1}
@@ -517,7 +520,7 @@ def test_a_fault_queued_in_an_outage_goes_within_the_backoff_cap_once_the_intake
 
 def test_a_token_is_read_for_every_call(restarter: Restarter, tmp_path: Path) -> None:
     outbox, sender = sender_for(tmp_path, restarter.address, token="")
-    sender.start()
+    sending = running(sender)
     try:
         outbox.enqueue(fault(1))
         wait_until(lambda: sender.counts().call_failures >= 1, what="a failed call")
@@ -528,17 +531,17 @@ def test_a_token_is_read_for_every_call(restarter: Restarter, tmp_path: Path) ->
         (tmp_path / "token").write_text("agent-a")
         wait_until(lambda: len(outbox) == 0, what="the outbox to empty")
     finally:
-        sender.stop()
+        stop_parts(sending)
         outbox.close()
     assert restarter.ids() == {fid(1): 1}
 
 
 def test_stop_leaves_the_outbox_on_disk(tmp_path: Path) -> None:
     outbox, sender = sender_for(tmp_path, f"127.0.0.1:{free_port()}")
-    sender.start()
+    sending = running(sender)
     outbox.enqueue(fault(1))
     wait_until(lambda: sender.counts().call_failures >= 1, what="a failed call")
-    sender.stop()
+    stop_parts(sending)
     outbox.close()
     again = Outbox(tmp_path / "outbox")
     try:
@@ -573,7 +576,7 @@ def test_tls(certificate: tuple[Path, Path], tmp_path: Path) -> None:
     outbox, sender = sender_for(
         tmp_path, restarter.address, ca_file=cert, server_name="edl-restarter.test"
     )
-    sender.start()
+    sending = running(sender)
     try:
         outbox.enqueue(fault(1))
         wait_until(lambda: len(outbox) == 0, what="the outbox to empty")
@@ -581,7 +584,7 @@ def test_tls(certificate: tuple[Path, Path], tmp_path: Path) -> None:
             report(restarter.address, [fault(2)], "agent-a")
         assert plaintext.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
-        sender.stop()
+        stop_parts(sending)
         outbox.close()
         restarter.server.stop(0)
     assert restarter.ids() == {fid(1): 1}

@@ -51,7 +51,7 @@ def test_xid_13_is_counted_and_changes_nothing(tmp_path: Path) -> None:
         watch_gpus(node).cancel()
         inject.inject_xid(node.tree, 2, 13)
         inject.inject_xid(node.tree, 2, 13)
-        wait_until(lambda: node.agent.tracker.counts.xid_errors[(ids[2], 13)] == 2)
+        wait_until(lambda: node.agent.hub.tracker.counts.xid_errors[(ids[2], 13)] == 2)
         assert node.agent.unhealthy() == {}
         assert {node.device_list("nvidia.com/gpu").devices[i].health for i in range(8)} == {
             "Healthy"
@@ -69,14 +69,14 @@ def test_double_bit_ecc_makes_the_gpu_unhealthy(tmp_path: Path) -> None:
 
 def rediscover(node: Node) -> None:
     """Run the periodic re-discovery now and wait until it ran."""
-    done = node.agent.rediscoveries
-    node.agent.rediscover_now()
-    wait_until(lambda: node.agent.rediscoveries > done)
+    done = node.agent.health.inventory.rediscoveries
+    node.agent.health.inventory.rediscover_now.set()
+    wait_until(lambda: node.agent.health.inventory.rediscoveries > done)
 
 
 def test_a_reset_class_xid_waits_for_a_reset_of_that_gpu(tmp_path: Path) -> None:
     with running_node(tmp_path, "dgx-h100") as node:
-        node.agent.tracker.quiet_seconds = 0.2
+        node.agent.hub.tracker.quiet_seconds = 0.2
         ids = gpu_ids(node)
         watch = watch_gpus(node)
         inject.inject_xid(node.tree, 1, 95)
@@ -121,7 +121,8 @@ def test_a_lost_gpu_waits_for_a_reboot_across_agent_restarts(tmp_path: Path) -> 
 
 def test_an_agent_starts_when_the_quarantine_it_restored_cannot_be_saved(tmp_path: Path) -> None:
     """The restored quarantine changed (a reboot ended a wait) and the disk refuses the new
-    one: kept in memory, said on /readyz; starting does not fail."""
+    one when the writer part saves it: kept in memory, said on /readyz; starting does not
+    fail."""
     with running_node(tmp_path, "dgx-h100") as node:
         ids = gpu_ids(node)
         watch = watch_gpus(node)
@@ -132,7 +133,7 @@ def test_an_agent_starts_when_the_quarantine_it_restored_cannot_be_saved(tmp_pat
     saved = tmp_path / "state" / "health"
     (saved / "quarantine.json.tmp").mkdir()  # every write of the quarantine fails (EISDIR)
     with running_node(tmp_path, "dgx-h100") as node:
-        assert node.agent.unsaved().quarantine
+        wait_until(lambda: node.agent.unsaved().quarantine, what="the writer part's first save")
         wait_until(
             lambda: (
                 node.agent.ready()[1]
@@ -143,7 +144,9 @@ def test_an_agent_starts_when_the_quarantine_it_restored_cannot_be_saved(tmp_pat
         )
 
 
-def test_a_reboot_seen_while_running_ends_reset_and_reboot_waits(tmp_path: Path) -> None:
+def test_a_reboot_ends_reset_and_reboot_waits_and_keeps_a_release_wait(tmp_path: Path) -> None:
+    """A reboot ends the agent's process too: the agent that starts after it finds a new boot
+    id, ends what a reset or a reboot clears, and keeps what waits for a person."""
     with running_node(tmp_path, "dgx-h100") as node:
         ids = gpu_ids(node)
         watch = watch_gpus(node)
@@ -151,10 +154,14 @@ def test_a_reboot_seen_while_running_ends_reset_and_reboot_waits(tmp_path: Path)
         inject.inject_xid(node.tree, 2, 119)
         inject.inject_xid(node.tree, 3, 54)  # auxiliary power: a person must look
         watch.until(lambda u: {ids[0], ids[2], ids[3]} <= set(unhealthy_in(u)))
-        inject.reboot(node.tree)
-        update = watch.until(lambda u: unhealthy_in(u) == [ids[3]], timeout=10)
+        watch.cancel()
+    inject.reboot(node.tree)
+    with running_node(tmp_path, "dgx-h100") as node:
+        watch = watch_gpus(node)  # served and registered
+        listed = node.device_list("nvidia.com/gpu")
+        assert unhealthy_in(listed) == [ids[3]]
         assert node.agent.unhealthy()[ids[3]].clears_by.value == "release"
-        assert len(update.devices) == 8
+        assert len(listed.devices) == 8
         watch.cancel()
 
 
@@ -163,11 +170,11 @@ def unhealthy_in(update: api_pb2.ListAndWatchResponse) -> list[str]:
 
 
 def test_nvml_failure_marks_every_gpu_unhealthy_and_not_ready(tmp_path: Path) -> None:
-    with running_node(tmp_path, "mixed-gpu-npu") as node:
+    extra = {"health": {"nvml_retry_seconds": 0.2}}
+    with running_node(tmp_path, "mixed-gpu-npu", extra=extra) as node:
         ids = gpu_ids(node)
         watch = watch_gpus(node)  # the NVML watcher runs once the agent is ready
-        assert node.agent.nvml is not None
-        node.agent.nvml.retry_seconds = 0.2
+        assert node.agent.health.nvml is not None
         assert node.agent.ready() == (True, "ok")
         inject.set_nvml_init_failure(node.tree, on=True)
         update = watch.until(lambda u: set(health_of(u).values()) == {"Unhealthy"})
@@ -213,16 +220,16 @@ def test_a_flood_of_one_xid_makes_one_transition_and_few_log_lines(tmp_path: Pat
             with inject.fault_file(node.tree).open("a") as faults:
                 faults.write("xid gpu=1 code=95 action=1\n" * flood)
             wait_until(
-                lambda: node.agent.tracker.counts.xid_errors[(ids[1], 95)] == flood, timeout=300
+                lambda: node.agent.hub.tracker.counts.xid_errors[(ids[1], 95)] == flood, timeout=300
             )
             cpu, wall = time.process_time() - cpu, time.monotonic() - started
-        transitions = node.agent.tracker.counts.transitions
+        transitions = node.agent.hub.tracker.counts.transitions
         assert [k for k in transitions if k[0] == ids[1]] == [(ids[1], "Unhealthy", "XID95")]
         assert transitions[(ids[1], "Unhealthy", "XID95")] == 1
         health_lines = [entry for entry in logs if entry["event"] == "health event"]
         assert 1 <= len(health_lines) <= 1 + wall / 10 + 1
         assert len(logs) < 20
-        assert node.agent.tracker.conditions(ids[1])[0].count == flood
+        assert node.agent.hub.tracker.conditions(ids[1])[0].count == flood
         print(f"flood: {flood} XIDs in {wall:.2f} s, {cpu:.2f} s CPU, {len(logs)} log lines")
         assert cpu < 60
         watch.cancel()
@@ -281,10 +288,12 @@ def test_a_quiet_period_is_a_deadline_of_its_own(tmp_path: Path) -> None:
     with running_node(tmp_path, "dgx-h100", extra=extra, health_poll_seconds=5.0) as node:
         ids = gpu_ids(node)
         watch = watch_gpus(node)
-        assert node.agent.quiet.next_wait() == node.agent.quiet.idle_seconds  # nothing quiet
+        assert (
+            node.agent.health.quiet.next_wait() == node.agent.health.quiet.idle_seconds
+        )  # nothing quiet
         inject.inject_xid(node.tree, 2, 48)
         watch.until(lambda u: health_of(u)[ids[2]] == "Unhealthy")
-        assert node.agent.quiet.next_wait() <= 0.3
+        assert node.agent.health.quiet.next_wait() <= 0.3
         watch.until(lambda u: health_of(u)[ids[2]] == "Healthy", timeout=10)
-        assert node.agent.quiet.next_wait() == node.agent.quiet.idle_seconds
+        assert node.agent.health.quiet.next_wait() == node.agent.health.quiet.idle_seconds
         watch.cancel()

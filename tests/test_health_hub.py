@@ -170,13 +170,13 @@ def test_readyz_and_the_node_condition_say_what_the_disk_does_not_hold_until_it_
             return str(written[-1]["message"]) if written else ""
 
         wait_until(lambda: condition().startswith("all 8"), 10, what="the first condition")
-        writer = node.agent.writer
+        writer = node.agent.health.writer
         assert writer is not None
         saved = writer.store.path
         blocked = tmp_path / "blocked"
         blocked.write_text("")
         writer.store.path = blocked / "quarantine.json"  # the disk refuses from now on
-        node.agent.report(xid(gpu_ids(node)[0], 79))
+        node.agent.hub.report(xid(gpu_ids(node)[0], 79))
         wait_until(lambda: writer.unsaved, 10, what="a failed save")
 
         ready, detail = node.agent.ready()

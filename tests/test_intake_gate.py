@@ -22,7 +22,7 @@ import grpc
 import pytest
 from structlog.testing import capture_logs
 
-from edl_agent.restarter.adapters.intake import IntakeServer
+from edl_agent.restarter.adapters.intake_server import IntakeServer
 from edl_agent.restarter.adapters.peer_gate import PeerGate
 from tests.test_fault_delivery import Restarter, fault, fid, report, verdicts
 from tests.waiting import wait_until

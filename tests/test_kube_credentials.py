@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from edl_agent.cli import build_parser, settings_from_args
+from edl_agent.cli.command import build_parser
+from edl_agent.cli.settings import settings_from_args
 from edl_agent.kube import KubeConfigError, api_client, kubeconfig_to_use
 
 IN_CLUSTER = {"KUBERNETES_SERVICE_HOST": "10.0.0.1", "KUBERNETES_SERVICE_PORT": "443"}

@@ -1,6 +1,7 @@
 """The metrics server under many connections, over real sockets: a burst of new connections is
 queued, not dropped (kubelet's probes give up after 1 s, a dropped SYN is retried after 1 s);
-connections that say nothing are closed; beyond the cap one is told 503, not given a thread."""
+connections that say nothing are closed; beyond the cap one is told 503, not given a thread; an
+idle server sleeps until a connection or the stop comes."""
 
 from __future__ import annotations
 
@@ -9,13 +10,16 @@ import selectors
 import socket
 import struct
 import threading
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import psutil
 import pytest
 from prometheus_client import CollectorRegistry
 
 from edl_agent.metrics.server import MetricsServer
+from tests.parts import supervised
 from tests.waiting import wait_for, wait_until
 
 BURST = 64
@@ -158,3 +162,34 @@ def test_beyond_the_cap_a_connection_is_told_503_and_the_rest_go_on(
         for connection in held[1:]:
             connection.close()
         wait_until(lambda: metrics.connections == 0, what="every connection closed")
+
+
+def blocked_without_timeout(thread: threading.Thread) -> bool:
+    """Whether `thread` waits in a system call with no timeout: epoll_wait's (or poll's, or
+    epoll_pwait's) fourth argument, the timeout, is -1 (Linux's /proc/<pid>/task/<tid>/syscall)."""
+    fields = Path(f"/proc/self/task/{thread.native_id}/syscall").read_text().split()
+    return len(fields) > 4 and int(fields[4], 16) in (2**32 - 1, 2**64 - 1)
+
+
+def test_the_server_part_sleeps_until_a_connection_or_the_stop() -> None:
+    """Run by a supervisor, the idle serving loop blocks with no timeout (an idle agent never
+    wakes for it); the stop ends it at once and releases the address."""
+    if not Path(f"/proc/self/task/{threading.get_native_id()}/syscall").exists():
+        pytest.skip("no /proc/<pid>/task/<tid>/syscall here")
+    metrics = MetricsServer("127.0.0.1:0", CollectorRegistry())
+    metrics.bind()  # the address is taken before the part runs: a bind error comes here
+    port = metrics.port
+    with pytest.raises(OSError, match="in use"):
+        MetricsServer(f"127.0.0.1:{port}", CollectorRegistry()).bind()
+    with supervised(metrics) as supervisor:
+        wait_until(lambda: supervisor.ready() == (True, "ok"), what="serving")
+        (serving,) = (t for t in threading.enumerate() if t.name == "part-metrics")
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as connection:
+            connection.sendall(GET_AND_CLOSE)
+            assert read_to_end(connection).endswith(b"ok\n")
+        wait_until(lambda: blocked_without_timeout(serving), what="the loop blocked, no timeout")
+        began = time.monotonic()
+    assert time.monotonic() - began < 2.0
+    assert not serving.is_alive()
+    with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port)):
+        pass

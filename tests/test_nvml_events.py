@@ -19,9 +19,12 @@ from edl_agent.devices.model import Vendor
 from edl_agent.health.model import HealthEvent, Level
 from edl_agent.health.nvml_telemetry import NvmlTelemetry, read_nvidia_telemetry
 from edl_agent.health.nvml_watch import NvmlWatcher
+from edl_agent.runtime.backoff import Backoff
+from edl_agent.runtime.supervisor import StopSignal, Supervisor
 from edl_agent.sim import inject, nvidia_tree
 from edl_agent.sim.profile import load_profile, stable_uuid
 from edl_agent.sim.tree import build_tree
+from tests.parts import stop as stop_parts
 from tests.waiting import wait_until
 
 TIMEOUT = 5.0
@@ -75,27 +78,42 @@ def node(tmp_path: Path) -> Path:
     return tmp_path
 
 
+def supervise(watcher: NvmlWatcher, retry_seconds: float = 0.05) -> Supervisor:
+    """A started supervisor running `watcher` as the agent does: its own retry backoff."""
+    supervisor = Supervisor(StopSignal())
+    supervisor.add(watcher, backoff=Backoff(retry_seconds, retry_seconds))
+    supervisor.start()
+    return supervisor
+
+
+# The supervisor of each watcher `start` runs, for `restarts`.
+supervisors: dict[NvmlWatcher, Supervisor] = {}
+
+
+def restarts(watcher: NvmlWatcher) -> int:
+    """How often `watcher` failed and was run again."""
+    return supervisors[watcher].restarts(watcher.name)
+
+
 @pytest.fixture
 def start() -> Iterator[Callable[..., tuple[NvmlWatcher, Events]]]:
-    """Start watchers on a tree; every one is stopped at the end of the test."""
-    watchers: list[NvmlWatcher] = []
+    """Run watchers on a tree, each under a supervisor; every one is stopped at the end of the
+    test."""
+    supervisors.clear()
 
     def run(
         root: Path, *, ready: bool = True, retry_seconds: float = 0.05
     ) -> tuple[NvmlWatcher, Events]:
         events = Events()
-        watcher = NvmlWatcher(
-            HostRoot.at(root), events, classify, retry_seconds=retry_seconds, wait_ms=200
-        )
-        watchers.append(watcher)
-        watcher.start()
+        watcher = NvmlWatcher(HostRoot.at(root), events, classify, wait_ms=200)
+        supervisors[watcher] = supervise(watcher, retry_seconds)
         if ready:
             wait_until(lambda: watcher.ready, timeout=TIMEOUT)
         return watcher, events
 
     yield run
-    for watcher in watchers:
-        watcher.stop()
+    for supervisor in supervisors.values():
+        stop_parts(supervisor)
 
 
 def test_xids_reach_on_event(node: Path, start: Callable[..., tuple[NvmlWatcher, Events]]) -> None:
@@ -207,7 +225,7 @@ def test_init_failure_is_retried_and_cleared(
         Level.NODE_FATAL,
     )
     assert "Driver Not Loaded" in failed.detail
-    wait_until(lambda: watcher.restarts >= 3, timeout=TIMEOUT)
+    wait_until(lambda: restarts(watcher) >= 3, timeout=TIMEOUT)
     assert not watcher.ready
     assert events.queue.empty()  # reported once, not on every retry
 
@@ -286,11 +304,11 @@ def test_a_new_event_set_starts_at_the_end_of_the_fault_file(node: Path) -> None
 
 def test_stop_joins_promptly(node: Path) -> None:
     watcher = NvmlWatcher(HostRoot.at(node), lambda _: None, classify, wait_ms=500)
-    watcher.start()
-    wait_until(lambda: watcher.ready, timeout=TIMEOUT)
+    supervisor = supervise(watcher)
+    wait_until(lambda: watcher.ready and supervisor.ready() == (True, "ok"), timeout=TIMEOUT)
 
     began = time.monotonic()
-    watcher.stop()
+    stop_parts(supervisor)
 
     assert time.monotonic() - began < 1.0
     assert not watcher.ready
@@ -347,16 +365,16 @@ def test_an_event_handler_that_raises_does_not_stop_the_watcher(node: Path) -> N
         raise RuntimeError("handler bug")
 
     watcher = NvmlWatcher(HostRoot.at(node), handler, classify, wait_ms=100)
-    watcher.start()
+    supervisor = supervise(watcher)
     try:
         wait_until(lambda: watcher.ready, timeout=TIMEOUT)
         inject.inject_xid(node, 0, 31)
         inject.inject_xid(node, 0, 32)
         wait_until(lambda: len(seen) == 2, timeout=TIMEOUT)
         assert watcher.ready
-        assert watcher.restarts == 0
+        assert supervisor.restarts(watcher.name) == 0
     finally:
-        watcher.stop()
+        stop_parts(supervisor)
 
 
 # ---- telemetry ----------------------------------------------------------------------------------

@@ -94,7 +94,7 @@ def running_node(
             **(extra or {}),
         },
     )
-    agent = Agent(settings, **(agent_args or {}))
+    agent = Agent.discover(settings, **(agent_args or {}))
     agent.start_metrics()
     if faults:
         agent.start_faults(None)
@@ -418,3 +418,49 @@ def test_socket_paths_fit_a_unix_socket() -> None:
     assert len(str(long_one)) <= MAX_SOCKET_PATH
     assert long_one != other
     assert long_one == socket_path(deep, "baidu.com/v100_32g_cgpu_memory")
+
+
+class EndingCall:
+    """A call context that ends right after the stream's first look at it: the wake-up of its
+    end comes before the stream waits, which must not make the stream wait for anything else."""
+
+    def __init__(self) -> None:
+        self.callbacks: list[Any] = []
+        self.active = True
+
+    def add_callback(self, callback: Any) -> bool:
+        self.callbacks.append(callback)
+        return True
+
+    def is_active(self) -> bool:
+        active = self.active
+        if active:
+            self.active = False
+            for callback in self.callbacks:
+                callback()
+        return active
+
+
+def test_a_stream_whose_call_ends_before_it_waits_ends_at_once(tmp_path: Path) -> None:
+    from edl_agent.devices.discovery import discover_node
+    from edl_agent.devices.hostroot import HostRoot
+    from edl_agent.health.state import DeviceState
+    from edl_agent.plugin.service import DevicePluginService
+
+    build_tree(load_profile("dgx-h100"), tmp_path)
+    settings = load_settings(overrides={"host_root": str(tmp_path)})
+    state = DeviceState(discover_node(settings))
+    service = DevicePluginService(
+        resource="nvidia.com/gpu", state=state, settings=settings.plugin, root=HostRoot.at(tmp_path)
+    )
+    sent: list[api_pb2.ListAndWatchResponse] = []
+    stream = threading.Thread(
+        target=lambda: sent.extend(service.ListAndWatch(api_pb2.Empty(), EndingCall()))  # type: ignore[arg-type]
+    )
+    stream.start()
+    stream.join(timeout=3)  # nothing changes: only the call's end can end it
+    ended = not stream.is_alive()
+    service.stop()
+    stream.join(timeout=10)
+    assert ended
+    assert len(sent) == 1

@@ -124,7 +124,7 @@ def remediating_node(
 
 def rounds_after(node: Node, count: int) -> None:
     """Wait until the remediation part has completed `count` more rounds."""
-    remediation = node.agent.remediation
+    remediation = node.agent.health.remediation
     target = remediation.rounds + count
     wait_until(lambda: remediation.rounds >= target, 15, what=f"{count} remediation rounds")
 
@@ -149,7 +149,7 @@ def test_an_idle_gpu_is_reset_and_returns_to_service_a_held_one_never(tmp_path: 
         assert resets_in(node.tree) == ["reset gpu=2"]
         rounds_after(node, 3)  # the held GPU is left alone
         assert resets_in(node.tree) == ["reset gpu=2"]
-        assert node.agent.remediations[("nvidia", "reset")] == 1
+        assert node.agent.health.remediation.counts[("nvidia", "reset")] == 1
         assert node.agent.unhealthy()[ids[3]].clears_by.value == "reset"
         pods.assign({})  # its pod ended: now it is reset too
         watch.until(lambda u: set(health_of(u).values()) == {"Healthy"}, timeout=15)
@@ -179,9 +179,9 @@ def test_failed_resets_escalate_to_an_operators_release(tmp_path: Path) -> None:
         watch = watch_gpus(node)
         inject.inject_xid(node.tree, 0, 119)
         watch.until(lambda u: health_of(u)[ids[0]] == "Unhealthy")
-        wait_until(lambda: node.agent.remediations[("nvidia", "escalated")] == 1)
-        assert node.agent.remediations[("nvidia", "failed")] == 2
+        wait_until(lambda: node.agent.health.remediation.counts[("nvidia", "escalated")] == 1)
+        assert node.agent.health.remediation.counts[("nvidia", "failed")] == 2
         assert node.agent.unhealthy()[ids[0]].clears_by.value == "release"
         rounds_after(node, 3)  # no more attempts
-        assert node.agent.remediations[("nvidia", "failed")] == 2
+        assert node.agent.health.remediation.counts[("nvidia", "failed")] == 2
         watch.cancel()

@@ -21,18 +21,19 @@ from edl_agent.faults.model import Fault, FaultKind, PodRef
 from edl_agent.faults.pod_faults import force_deletion_fault
 from edl_agent.restarter.core.checkpoint import ANNOTATION as CHECKPOINT
 from edl_agent.restarter.core.checkpoint import Checkpoint
-from edl_agent.restarter.core.controller import Controller, NotRecorded
+from edl_agent.restarter.core.controller import Controller
 from edl_agent.restarter.core.covering import PolicyIndex
 from edl_agent.restarter.core.decide import Action
 from edl_agent.restarter.core.dispatch import Admission, Dispatch
+from edl_agent.restarter.core.dispatcher import NotRecorded
 from edl_agent.restarter.core.memory import InMemoryCluster
 from edl_agent.restarter.core.plan import Plan, Task, plan
 from edl_agent.restarter.core.replacement import REPLACES_UID_ANNOTATION
 from edl_agent.restarter.core.settings import ControllerSettings
 from edl_agent.restarter.core.spec import parse_policy
 from edl_agent.restarter.core.storm import StormGuard
-from edl_agent.runtime.clock import FakeClock as Clock
 from tests.waiting import wait_until
+from tests.waking_clock import WakingClock as Clock
 
 NS = "train"
 JOB, TYPE, INDEX = "edl.test/job", "edl.test/replica-type", "edl.test/replica-index"
@@ -83,6 +84,7 @@ def start(cluster: InMemoryCluster, clock: Clock) -> Iterator[Callable[[], Contr
             controller.policies.listed(
                 namespace, [cluster.read_policy(namespace, obj["metadata"]["name"])]
             )
+        clock.on_advance(controller.wake)
         controller.start()
         assert controller.recovered.wait(5)
         running.append(controller)
@@ -136,7 +138,7 @@ def names(cluster: InMemoryCluster) -> list[str]:
 
 
 def dispatcher_round(controller: Controller) -> float:
-    """When (on the controller's clock) its dispatcher last looked at the backoffs due."""
+    """When (on the controller's clock) its dispatcher last ran a round."""
     value = controller.metrics.registry.get_sample_value(
         "edl_restarter_dispatcher_round_timestamp_seconds"
     )
@@ -247,9 +249,8 @@ def test_a_backoff_is_recorded_and_carried_out_by_the_next_controller_at_its_tim
 
     second = start()
     clock.advance(20)
-    # The dispatcher has looked at the backoff at this time, and done whatever it found due.
-    looked = clock().timestamp()
-    wait_until(lambda: dispatcher_round(second) >= looked, what="a dispatcher round at +25 s")
+    # The dispatcher has looked at the time, found nothing due, and waits again.
+    wait_until(second.dispatcher.idle, what="the dispatcher waiting at +25 s")
     wait_until(lambda: second.queue_depth() == 0, what="nothing left in hand")
     assert names(cluster) == ["a-0-r1"]  # not before its time
     assert [b["faultId"] for b in job_entry(cluster, "a")["pendingBackoffs"]] == [
@@ -489,7 +490,8 @@ def test_the_core_loads_no_client_library() -> None:
 
 
 class BrokenTicks(InMemoryCluster):
-    """A cluster whose node counts (read at every dispatcher tick) raise while `broken`."""
+    """A cluster whose node counts (read by the dispatcher's first round, and for every fault)
+    raise while `broken`."""
 
     def __init__(self, clock: Clock) -> None:
         super().__init__(clock)
@@ -520,7 +522,7 @@ def dispatcher(controller: Controller) -> tuple[bool, int]:
     return status.up, status.restarts
 
 
-def test_a_tick_that_raises_restarts_the_dispatcher_and_the_next_fault_is_decided(
+def test_a_round_that_raises_restarts_the_dispatcher_and_the_next_fault_is_decided(
     clock: Clock,
 ) -> None:
     cluster = BrokenTicks(clock)

@@ -9,12 +9,8 @@ from typing import Any
 from kubernetes import client
 
 from edl_agent.faults.model import FaultKind, PodRef
-from edl_agent.restarter.adapters.watchers import (
-    DELETED_BY_ANNOTATION,
-    RESTARTER,
-    ClusterWatcher,
-    is_not_ready,
-)
+from edl_agent.restarter.adapters.nodes import is_not_ready
+from edl_agent.restarter.adapters.watchers import DELETED_BY_ANNOTATION, RESTARTER, ClusterWatcher
 from edl_agent.restarter.core.replacement import (
     BASE_NAME_ANNOTATION,
     RESTART_COUNT_ANNOTATION,
@@ -82,13 +78,13 @@ def test_a_node_s_grace_runs_on_the_restarter_s_clock_and_a_fault_is_never_older
     ready, down = n1("True"), n1("False")
     replacement = pod()
     replacement["metadata"]["creationTimestamp"] = "2026-05-01T11:59:00Z"
-    watcher.nodes_listed([ready])
+    watcher.nodes.listed([ready])
     watcher.pods_listed(None, [replacement])
-    watcher.node_event("MODIFIED", down)  # seen NotReady at NOW
+    watcher.nodes.event("MODIFIED", down)  # seen NotReady at NOW
     clock[0] = NOW + timedelta(seconds=39)
     watcher.check_grace()
     assert faults == []  # the grace counts from when the restarter saw it, not from January
-    watcher.nodes_listed([down])  # a re-list keeps that moment
+    watcher.nodes.listed([down])  # a re-list keeps that moment
     clock[0] = NOW + timedelta(seconds=40)
     watcher.check_grace()
     [fault] = faults

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog.testing
 from kubernetes import client
 from prometheus_client import generate_latest
 
@@ -410,6 +411,26 @@ def test_the_process_is_built_from_the_settings() -> None:
     assert single.server is not None
     assert single.pod == ("", "")
     assert single.identity  # hostname-random
+
+
+def test_the_settings_the_restarter_no_longer_uses_still_load_and_are_named_in_the_log() -> None:
+    """The dispatcher and the node grace no longer tick: their ticks' settings load, are
+    checked as before, do nothing, and a process built with one says so (one line each)."""
+    quiet = load(election={"enabled": False}, intake={"listen": ""})
+    assert quiet.controller.obsolete() == []
+    given = load(
+        election={"enabled": False},
+        intake={"listen": ""},
+        controller={"tick_seconds": 1.0, "node_grace_tick_seconds": 2.0},
+    )
+    assert given.controller.obsolete() == ["tick_seconds", "node_grace_tick_seconds"]
+    with structlog.testing.capture_logs() as logs:
+        Restarter(given, client.ApiClient(), AGENT_USER)
+        Restarter(quiet, client.ApiClient(), AGENT_USER)
+    ignored = [e["key"] for e in logs if e["event"] == "a setting no longer used is ignored"]
+    assert ignored == ["controller.tick_seconds", "controller.node_grace_tick_seconds"]
+    with pytest.raises(ConfigError, match="tick_seconds"):
+        load(controller={"tick_seconds": -1})
 
 
 class Breakable:

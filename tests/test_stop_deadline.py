@@ -13,17 +13,28 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from edl_agent.runtime.deadline import STOP_DEADLINE_SECONDS
+from tests.waiting import wait_until
 
 MARGIN_SECONDS = 2.0  # the interpreter's own exit, a loaded machine
 
 
+@dataclass
+class SilentServer:
+    port: int
+    held: list[socket.socket]
+
+    def accepted(self) -> int:
+        return len(self.held)
+
+
 @pytest.fixture
-def silent_api_server() -> Iterator[int]:
+def silent_api_server() -> Iterator[SilentServer]:
     """A TCP port that accepts connections and never sends a byte (nor closes them)."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
@@ -42,7 +53,7 @@ def silent_api_server() -> Iterator[int]:
     thread = threading.Thread(target=accept, name="silent-api-server")
     thread.start()
     try:
-        yield listener.getsockname()[1]
+        yield SilentServer(listener.getsockname()[1], held)
     finally:
         done.set()
         thread.join()
@@ -52,12 +63,12 @@ def silent_api_server() -> Iterator[int]:
 
 
 def test_sigterm_ends_the_agent_within_the_deadline_while_its_api_calls_hang(
-    tmp_path: Path, silent_api_server: int
+    tmp_path: Path, silent_api_server: SilentServer
 ) -> None:
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(
         "apiVersion: v1\nkind: Config\ncurrent-context: x\n"
-        f"clusters: [{{name: c, cluster: {{server: 'https://127.0.0.1:{silent_api_server}', "
+        f"clusters: [{{name: c, cluster: {{server: 'https://127.0.0.1:{silent_api_server.port}', "
         "insecure-skip-tls-verify: true}}]\n"
         "users: [{name: u, user: {token: t}}]\n"
         "contexts: [{name: x, context: {cluster: c, user: u}}]\n"
@@ -75,17 +86,35 @@ def test_sigterm_ends_the_agent_within_the_deadline_while_its_api_calls_hang(
         stderr=subprocess.PIPE,
         text=True,
     )
+    lines: list[str] = []
+
+    def read_log() -> None:
+        assert agent.stderr is not None
+        for line in agent.stderr:
+            lines.append(line)
+
+    reader = threading.Thread(target=read_log, name="agent-log")
+    reader.start()
     try:
         assert agent.stdout is not None
         assert agent.stdout.readline().startswith("node ")  # serving: the rest starts now
+        # Its parts run, and one of them is in a call the server will never answer.
+        wait_until(lambda: any('"agent running"' in line for line in lines), timeout=60)
+        before = silent_api_server.accepted()
+        wait_until(lambda: silent_api_server.accepted() > before, timeout=30)
         agent.send_signal(signal.SIGTERM)
         began = time.monotonic()
-        _, err = agent.communicate(timeout=STOP_DEADLINE_SECONDS + 30)
+        agent.wait(timeout=STOP_DEADLINE_SECONDS + 30)
         took = time.monotonic() - began
     finally:
         if agent.poll() is None:
             agent.kill()
-            agent.communicate()
+            agent.wait()
+        reader.join()
+        for pipe in (agent.stdout, agent.stderr):
+            if pipe is not None:
+                pipe.close()
+    err = "".join(lines)
     assert agent.returncode == 0
     assert took < STOP_DEADLINE_SECONDS + MARGIN_SECONDS, (took, err[-2000:])
     # The forced exit skips the clean-up of --simulate's temporary tree: it is removed first.

@@ -1,6 +1,7 @@
-"""The agent's supervisor: parts that die are logged, counted and run again after a backoff;
-readiness names the parts that are not ready; stop ends every part at once; nothing is left
-running. Real threads, no sleeps longer than the parts' own waits."""
+"""The supervisor: parts that die are heard at once, logged, counted and run again after a
+backoff; readiness names the parts that are not ready; stop ends every part at once (the stop
+signal calls back whatever a part blocks in); nothing is left running. Real threads, no sleeps
+longer than the parts' own waits."""
 
 from __future__ import annotations
 
@@ -8,10 +9,14 @@ import threading
 import time
 from collections.abc import Callable
 
+import pytest
 import structlog.testing
 
 from edl_agent.runtime.backoff import Backoff, backoff_delay
-from edl_agent.runtime.supervisor import Every, StopSignal, Supervisor, Watched
+from edl_agent.runtime.steps import Steps
+from edl_agent.runtime.supervisor import Every, StopSignal, Supervisor, on_stop
+from tests.parts import stop as stop_parts
+from tests.parts import supervised
 from tests.waiting import wait_until
 
 
@@ -92,39 +97,6 @@ def test_every_runs_its_step_on_time_and_when_woken() -> None:
     assert len(steps) in (2, 3)
 
 
-def test_a_watched_thread_that_ended_is_started_again() -> None:
-    class Owner:
-        def __init__(self) -> None:
-            self.starts = 0
-            self.thread: threading.Thread | None = None
-            self.done = threading.Event()
-
-        def alive(self) -> bool:
-            return self.thread is not None and self.thread.is_alive()
-
-        def restart(self) -> None:
-            self.starts += 1
-            # The first thread ends by itself; the second runs until the test is over.
-            self.thread = threading.Thread(
-                target=self.done.wait, args=(0.05 if self.starts == 1 else 30,), daemon=True
-            )
-            self.thread.start()
-
-    stop = threading.Event()
-    owner = Owner()
-    owner.restart()
-    supervisor = Supervisor(stop, initial_backoff=0.01, max_backoff=0.01)
-    supervisor.add(Watched("owned", owner))
-    supervisor.start()
-    wait_until(lambda: owner.starts == 2, timeout=10)
-    wait_until(lambda: supervisor.statuses()[0].restarts == 1)
-    stop.set()
-    supervisor.join(timeout=5)
-    owner.done.set()
-    assert owner.thread is not None
-    owner.thread.join(timeout=5)
-
-
 def test_backoff_doubles_with_jitter_up_to_its_cap_and_resets() -> None:
     backoff = Backoff(initial=1.0, maximum=8.0, random=lambda: 0.999999)
     delays = [round(backoff.next_delay(), 3) for _ in range(6)]
@@ -134,51 +106,157 @@ def test_backoff_doubles_with_jitter_up_to_its_cap_and_resets() -> None:
     assert backoff_delay(1, initial=1.0, maximum=8.0, jitter=0.0) == 0.5
 
 
-def test_a_watched_thread_that_tells_its_end_is_restarted_without_polling() -> None:
-    """An owner that calls back as its thread ends, under a `StopSignal`: the supervisor hears
-    of the end at once although it would look only once an hour."""
+class Dies:
+    """Serves until `release` is set, then raises (once); serves until stopped after that."""
 
-    class Owner:
-        def __init__(self) -> None:
-            self.starts = 0
-            self.release = threading.Event()
-            self.thread: threading.Thread | None = None
-            self.on_end: Callable[[], None] | None = None
+    name = "dies"
 
-        def alive(self) -> bool:
-            return self.thread is not None and self.thread.is_alive()
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.runs = 0
 
-        def notify_on_end(self, callback: Callable[[], None] | None) -> None:
-            self.on_end = callback
-            if callback is not None and not self.alive():
-                callback()
+    def run(self, stop: threading.Event, ready: Callable[[], None]) -> None:
+        self.runs += 1
+        ready()
+        if self.runs == 1:
+            self.release.wait()
+            msg = "lost its connection"
+            raise ConnectionError(msg)
+        stop.wait()
 
-        def restart(self) -> None:
-            self.starts += 1
-            self.thread = threading.Thread(target=self._run, args=(self.starts,), daemon=True)
-            self.thread.start()
 
-        def _run(self, start: int) -> None:
-            if start == 1:
-                self.release.wait()
-            else:
-                stop.wait()
-            if self.on_end is not None:
-                self.on_end()
+def test_a_death_is_heard_at_once_and_the_part_runs_again() -> None:
+    """The part runs on the supervisor's own thread: its raise is the supervisor's news, with
+    nothing looked at on a timer (a backoff of an hour shows the part down until it is over)."""
+    part = Dies()
+    with supervised(part, initial_backoff=3600, max_backoff=3600) as supervisor:
+        wait_until(lambda: supervisor.ready() == (True, "ok"))
+        part.release.set()
+        wait_until(lambda: supervisor.statuses()[0].restarts == 1)
+        [status] = supervisor.statuses()
+        assert (status.up, status.ready) == (False, False)
+        assert status.last_error == "ConnectionError: lost its connection"
+        assert supervisor.ready() == (False, "parts not ready: dies")
+    again = Dies()
+    with supervised(again) as supervisor:
+        again.release.set()
+        wait_until(lambda: again.runs == 2 and supervisor.ready() == (True, "ok"))
+        assert supervisor.restarts("dies") == 1
+
+
+def test_the_same_error_again_is_logged_without_its_traceback() -> None:
+    class Same:
+        name = "same"
+
+        def run(self, stop: threading.Event, ready: Callable[[], None]) -> None:
+            raise OSError("driver not loaded")
+
+    with structlog.testing.capture_logs() as logs, supervised(Same()) as supervisor:
+        wait_until(lambda: supervisor.restarts("same") >= 3)
+    died = [e for e in logs if e["event"] == "part died"]
+    assert died[0].get("exc_info") is True
+    assert all("exc_info" not in e and e["again"] for e in died[1:])
+    assert {e.get("error") for e in died[1:]} == {"OSError: driver not loaded"}
+
+
+def test_a_part_waits_its_own_backoff() -> None:
+    part = Flaky("own", failures=1)
+    supervisor = Supervisor(StopSignal(), initial_backoff=3600, max_backoff=3600)
+    supervisor.add(part, backoff=Backoff(0.01, 0.01))
+    supervisor.start()
+    try:
+        wait_until(lambda: supervisor.ready() == (True, "ok"))  # not an hour later
+    finally:
+        stop_parts(supervisor)
+    assert part.runs == 2
+
+
+def test_join_waits_for_a_part_at_most_its_stop_seconds() -> None:
+    """A part whose wait cannot be cut short (NVML's) does not hold up the others' stop."""
+    release = threading.Event()
+
+    class Deaf:
+        name = "deaf"
+
+        def run(self, stop: threading.Event, ready: Callable[[], None]) -> None:
+            ready()
+            release.wait()
 
     stop = StopSignal()
-    owner = Owner()
-    supervisor = Supervisor(stop, initial_backoff=0.01, max_backoff=0.01)
-    supervisor.add(Watched("owned", owner, poll_seconds=3600))
+    supervisor = Supervisor(stop)
+    supervisor.add(Deaf(), stop_seconds=0.05)
+    supervisor.add(Flaky("prompt", failures=0))
     supervisor.start()
     wait_until(lambda: supervisor.ready() == (True, "ok"))
-    owner.release.set()  # the first thread ends
-    wait_until(lambda: owner.starts == 2)
-    wait_until(lambda: supervisor.ready() == (True, "ok"))
-    assert supervisor.statuses()[0].restarts == 1
     stop.set()
-    supervisor.join(timeout=5)
-    assert owner.thread is not None
-    owner.thread.join(5)  # the owner's own thread ends on the stop
-    assert not owner.alive()
-    assert not any(t.name == "part-owned" for t in threading.enumerate())
+    with structlog.testing.capture_logs() as logs:
+        began = time.monotonic()
+        supervisor.join(timeout=30)
+    assert time.monotonic() - began < 10
+    assert [e["event"] for e in logs] == ["part ends on its own after the stop"]
+    release.set()
+    stop_parts(supervisor)
+
+
+# --- the stop signal --------------------------------------------------------------------------
+
+
+def test_a_stop_signal_calls_back_once_on_the_thread_that_sets_it() -> None:
+    signal = StopSignal()
+    called: list[str] = []
+    signal.on_set(lambda: called.append(threading.current_thread().name))
+    forget = signal.on_set(lambda: called.append("forgotten"))
+    forget()
+    setter = threading.Thread(target=signal.set, name="setter")
+    setter.start()
+    setter.join()
+    signal.set()  # a second set calls nothing again
+    assert called == ["setter"]
+    signal.on_set(lambda: called.append("late"))  # set already: called at once, here
+    assert called == ["setter", "late"]
+
+
+def test_a_callback_that_raises_does_not_keep_the_others_from_theirs() -> None:
+    signal = StopSignal()
+    woken = signal.waker()
+
+    def broken() -> None:
+        raise RuntimeError("broken callback")
+
+    signal.on_set(broken)
+    with structlog.testing.capture_logs() as logs:
+        signal.set()
+    assert woken.is_set()
+    assert [e["event"] for e in logs] == ["a stop callback failed"]
+
+
+def test_a_part_that_must_be_woken_refuses_a_plain_event() -> None:
+    with pytest.raises(TypeError, match="needs a StopSignal"):
+        on_stop(threading.Event(), lambda: None)
+    assert on_stop(StopSignal(), lambda: None)() is None
+
+
+# --- the steps of a round ---------------------------------------------------------------------
+
+
+def test_a_failing_step_is_counted_and_logged_as_it_starts_changes_and_ends() -> None:
+    steps = Steps()
+    errors = iter([OSError("kubelet gone"), OSError("kubelet gone"), OSError("socket refused")])
+
+    def sync() -> None:
+        error = next(errors, None)
+        if error is not None:
+            raise error
+
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(3):
+            steps.run("plugins", sync)
+            assert steps.failing("plugins")
+        steps.run("plugins", sync)
+    assert not steps.failing("plugins")
+    assert steps.failures == {"plugins": 3}
+    assert [(e["event"], "exc_info" in e) for e in logs] == [
+        ("agent step failed", True),
+        ("agent step still fails", False),
+        ("agent step works again", False),
+    ]

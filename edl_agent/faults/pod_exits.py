@@ -10,8 +10,9 @@ carries the same id. Ids already handed on are
 remembered (the newest `REMEMBERED`) so that a pod's later status updates do not enqueue its
 exits again; after a restart the outbox and the restarter's intake answer them as duplicates.
 
-The watch is started again whenever the server ends it, from a fresh list after 410 Gone, and
-after a back-off (doubling up to `retry_max_seconds`) on any other failure; a failure is logged
+It is a supervised part (`kube_watch.WatchLoop.run`), ready once the pods are listed. The watch
+is started again whenever the server ends it, from a fresh list after 410 Gone, and after a
+back-off (doubling up to `retry_max_seconds`) on any other API failure; such a failure is logged
 and counted, never the end of the watching. RBAC cannot restrict `list`/`watch` of pods to one
 node: the field selector is ours.
 
@@ -49,8 +50,7 @@ def container_exits(
 class PodExitWatcher(WatchLoop):
     """Watches the pods on `node` and hands every new non-zero container exit to `on_fault`."""
 
-    name = "pod-exit-watch"
-    restart_after_crash = True
+    name = "pod-exits"
 
     def __init__(
         self,

@@ -14,7 +14,7 @@ import structlog
 
 from edl_agent.config import FaultSettings
 from edl_agent.faults.model import Fault
-from edl_agent.runtime.supervisor import Supervisor, Watched
+from edl_agent.runtime.supervisor import Supervisor
 
 if TYPE_CHECKING:
     from edl_agent.faults.outbox import Outbox
@@ -33,9 +33,10 @@ class FaultReporting:
         self._log = structlog.get_logger().bind(part="faults")
 
     def start(self, api: NodeApi | None, supervisor: Supervisor) -> None:
-        """Open the outbox and start its sender (when a restarter is configured) and watch this
-        node's pods for container exits (when `api` is given). Raises OutboxError when the state
-        directory cannot be used, ValueError for unusable sender settings."""
+        """Open the outbox and hand `supervisor` its sender (when a restarter is configured) and
+        the watch of this node's pods for container exits (when `api` is given). Raises
+        OutboxError when the state directory cannot be used, ValueError for unusable sender
+        settings."""
         from edl_agent.faults.outbox import Outbox
         from edl_agent.faults.sender import Sender, SenderSettings
 
@@ -48,8 +49,7 @@ class FaultReporting:
                 outbox.close()
                 raise
             self.outbox, self.sender = outbox, sender
-            sender.start()
-            supervisor.add(Watched("fault-sender", sender), critical=False)
+            supervisor.add(sender, critical=False)
             self._log.info(
                 "reporting faults to the restarter",
                 address=settings.restarter_address,
@@ -62,17 +62,13 @@ class FaultReporting:
             from edl_agent.faults.pod_exits import PodExitWatcher
 
             self.pod_exits = PodExitWatcher(api, self._node, self.report)
-            self.pod_exits.start()
-            supervisor.add(Watched("pod-exits", self.pod_exits), critical=False)
+            supervisor.add(self.pod_exits, critical=False)
 
     def stop(self) -> None:
-        """Stop watching and sending; pending faults stay in the outbox on disk."""
-        if self.pod_exits is not None:
-            self.pod_exits.stop()
-            self.pod_exits = None
-        if self.sender is not None:
-            self.sender.stop()
-            self.sender = None
+        """Once the supervisor's parts (the sender, the pod watch) ended: close the outbox;
+        pending faults stay in it on disk."""
+        self.pod_exits = None
+        self.sender = None
         if self.outbox is not None:
             self.outbox.close()
             self.outbox = None

@@ -1,4 +1,4 @@
-"""The outbox sender: one thread that delivers pending faults to the restarter's FaultIntake.
+"""The outbox sender: a supervised part that delivers pending faults to the restarter's FaultIntake.
 
 Every call carries the agent's ServiceAccount token as `authorization: Bearer <token>`, read from
 the token file each time since kubelet rotates projected tokens. Accepted and duplicate faults
@@ -11,8 +11,9 @@ A fault the restarter answers without a verdict (VERDICT_UNSPECIFIED, its reason
 `retry_later: ...`: its pod cache does not show the pod or the exit yet) or leaves unanswered
 (it answers at most so many a call) stays in the outbox and goes again: at once when the call
 settled other faults, else after `retry_later` seconds or the next enqueue, whichever comes
-first; it is no call failure. An enqueue wakes the sender at once; `stop()` sends nothing more
-and leaves the outbox on disk.
+first; it is no call failure. An enqueue wakes the sender at once; the stop cancels a call in
+flight, sends nothing more and leaves the outbox on disk. Anything else that goes wrong (a bug)
+ends the part, and the supervisor runs it again.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from edl_agent.faults.convert import to_proto
 from edl_agent.faults.model import Fault
 from edl_agent.faults.outbox import Outbox
 from edl_agent.runtime.backoff import backoff_delay
+from edl_agent.runtime.supervisor import on_stop
 
 log = structlog.get_logger(__name__)
 
@@ -88,7 +90,6 @@ class SenderCounts:
     refused: int = 0
     call_failures: int = 0
     deferred: int = 0  # faults the restarter asked to be sent again later (each time)
-    errors: int = 0  # unexpected exceptions in the loop (logged with their traceback)
 
 
 class CallFailed(Exception):
@@ -101,7 +102,9 @@ class SendLater(Exception):
 
 
 class Sender:
-    """Delivers `outbox` to the restarter on a thread of its own; start() / stop()."""
+    """Delivers `outbox` to the restarter: a supervised part, ready at once."""
+
+    name = "fault-sender"
 
     def __init__(
         self,
@@ -125,43 +128,36 @@ class Sender:
         self._stopping = threading.Event()
         self._channel_lock = threading.Lock()
         self._channel: Any = None
-        self._thread: threading.Thread | None = None
         self._counts = SenderCounts()
         outbox.add_listener(self._wake.set)
-
-    def start(self) -> None:
-        if self._thread is not None:
-            msg = "the fault sender is already running"
-            raise RuntimeError(msg)
-        self._stopping.clear()
-        self._thread = threading.Thread(target=self._run, name="fault-sender", daemon=True)
-        self._thread.start()
-
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def restart(self) -> None:
-        """Start a new thread after this one died (the supervisor's call)."""
-        self._thread = None
-        self.start()
-
-    def stop(self, timeout: float = 5.0) -> None:
-        """Stop sending (a call in flight is cancelled); pending faults stay in the outbox."""
-        self._stopping.set()
-        self._wake.set()
-        self._close_channel()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                log.error("fault sender did not stop in time", timeout=timeout)
-            self._thread = None
 
     def counts(self) -> SenderCounts:
         return self._counts
 
-    def _run(self) -> None:
+    def run(self, stop: threading.Event, ready: Callable[[], None]) -> None:
+        """Send until `stop` (a `StopSignal`: it cancels the call in flight)."""
+        with self._channel_lock:
+            self._stopping = stopping = threading.Event()
+        forget = on_stop(stop, lambda: self._interrupt(stopping))
+        try:
+            ready()
+            self._send(stopping)
+        finally:
+            forget()
+            self._interrupt(stopping)
+
+    def _interrupt(self, stopping: threading.Event) -> None:
+        """Send nothing more: a wait ends, and closing the channel cancels a call in flight."""
+        with self._channel_lock:
+            stopping.set()
+            channel, self._channel = self._channel, None
+        self._wake.set()
+        if channel is not None:
+            channel.close()
+
+    def _send(self, stopping: threading.Event) -> None:
         failures = 0
-        while not self._stopping.is_set():
+        while not stopping.is_set():
             self._wake.clear()
             batch = self._outbox.pending(self._settings.batch_size)
             if not batch:
@@ -173,6 +169,8 @@ class Sender:
                 self._wake.wait(self._settings.retry_later)  # an enqueue or stop wakes it
                 continue
             except CallFailed as exc:
+                if stopping.is_set():
+                    return
                 failures += 1
                 self._count(call_failures=1)
                 if failures == 1 or failures % LOG_EVERY_FAILURES == 0:
@@ -182,16 +180,12 @@ class Sender:
                         failures=failures,
                         pending=len(self._outbox),
                     )
-            except Exception:
-                failures += 1
-                self._count(errors=1)
-                log.exception("fault sender failed; will retry", failures=failures)
             else:
                 if failures:
                     log.info("reporting faults to the restarter again", after_failures=failures)
                 failures = 0
                 continue
-            self._stopping.wait(
+            stopping.wait(
                 backoff_delay(
                     failures,
                     initial=self._settings.backoff_initial,
@@ -284,12 +278,6 @@ class Sender:
             options.append(("grpc.ssl_target_name_override", settings.server_name))
         credentials = grpc.ssl_channel_credentials(root_certificates=ca)
         return grpc.secure_channel(settings.address, credentials, options=options)
-
-    def _close_channel(self) -> None:
-        with self._channel_lock:
-            channel, self._channel = self._channel, None
-        if channel is not None:
-            channel.close()
 
     def _count(self, **increments: int) -> None:
         current = self._counts

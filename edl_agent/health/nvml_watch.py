@@ -1,9 +1,9 @@
 """NVIDIA health from NVML events: XID critical errors, ECC errors and GPUs falling off the bus.
 
-`NvmlWatcher` runs one thread that holds an NVML session on the host root's library, registers
-every GPU for XID critical and single/double-bit ECC events, and waits in nvmlEventSetWait
-(which releases the GIL) with a short timeout so that `stop()` is noticed. Each event becomes
-one `HealthEvent` handed to `on_event` on the watcher's thread:
+`NvmlWatcher` is a supervised part: it holds an NVML session on the host root's library,
+registers every GPU for XID critical and single/double-bit ECC events, and waits in
+nvmlEventSetWait (which releases the GIL) with a short timeout so that the stop is noticed. Each
+event becomes one `HealthEvent` handed to `on_event` on the part's thread:
 
 - XID `n` on a GPU: reason `XID<n>`, level `classify_xid(n)`, `code` n. On a MIG-enabled GPU,
   NVML names the GPU and compute instance the error is attributed to; the event then carries
@@ -17,8 +17,9 @@ one `HealthEvent` handed to `on_event` on the watcher's thread:
   watcher saw it earlier, that event has `device_id` None and names the GPU index in `detail`.
 - the monitor itself failing: reason `NVML_INIT_FAILED` (library missing, nvmlInit failing) or
   `NVML_EVENT_LOOP_FAILED` (event set, registration or wait failing), `device_id` None, level
-  NODE_FATAL, once per reason while it lasts; every attempt counts in `restarts` and is retried
-  after `retry_seconds`; each reason is reported `cleared` once a wait succeeds again.
+  NODE_FATAL, once per reason while it lasts; the failure ends the part, which the supervisor
+  counts and runs again after its backoff; each reason is reported `cleared` once a wait
+  succeeds again.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.model import Vendor
 from edl_agent.devices.nvidia import LIBRARY, find_library, nvml_session
 from edl_agent.health.model import HealthEvent, Level
-from edl_agent.runtime.ending import EndNotice
 
 NVML_INIT_FAILED = "NVML_INIT_FAILED"
 NVML_EVENT_LOOP_FAILED = "NVML_EVENT_LOOP_FAILED"
@@ -55,7 +55,9 @@ WANTED_EVENTS = (
 LOST_PROBE_SECONDS = 1.0
 
 
-class _MonitorFailure(Exception):
+class MonitorFailure(Exception):
+    """NVML cannot be used: `reason` is the health event's."""
+
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(detail)
         self.reason = reason
@@ -71,7 +73,10 @@ class _Gpu:
 
 
 class NvmlWatcher:
-    """Turns NVML events of the GPUs under `root` into HealthEvents, on its own thread."""
+    """Turns NVML events of the GPUs under `root` into HealthEvents: a supervised part, ready
+    while its event loop runs."""
+
+    name = "nvml-watch"
 
     def __init__(
         self,
@@ -79,103 +84,63 @@ class NvmlWatcher:
         on_event: Callable[[HealthEvent], None],
         classify_xid: Callable[[int], Level],
         *,
-        retry_seconds: float = 5.0,
         wait_ms: int = 5000,
     ) -> None:
         self.root = root
         self.on_event = on_event
         self.classify_xid = classify_xid
-        self.retry_seconds = retry_seconds
         self.wait_ms = wait_ms
-        self.restarts = 0
         self.single_bit_errors: Counter[str] = Counter()
         self._ready = False
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._ends = EndNotice()
         self._failing: set[str] = set()
         self._uuids: dict[int, str] = {}  # by GPU index; outlives sessions to name lost GPUs
         self._lost: set[int] = set()
-        self._log = structlog.get_logger().bind(vendor=Vendor.NVIDIA.value, part="nvml-watch")
+        self._log = structlog.get_logger().bind(vendor=Vendor.NVIDIA.value, part=self.name)
 
     @property
     def ready(self) -> bool:
         """True while the event loop runs (a wait has succeeded since the last (re)start)."""
         return self._ready
 
-    def start(self) -> None:
-        if self._thread is not None:
-            msg = "NvmlWatcher already started"
-            raise RuntimeError(msg)
-        self._thread = self._ends.thread(self._run, "nvml-watch")
-        self._thread.start()
+    def run(self, stop: threading.Event, ready: Callable[[], None]) -> None:
+        """One NVML session, until `stop` (seen between waits: NVML's cannot be cut short). A
+        failure is reported as a health event (once per reason while it lasts) and raised: the
+        supervisor runs the watcher again after its backoff."""
+        try:
+            self._session(stop, ready)
+        except MonitorFailure as failure:
+            self._failed(failure.reason, failure.detail)
+            raise
+        except Exception as exc:
+            self._failed(NVML_EVENT_LOOP_FAILED, f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            self._ready = False
 
-    def notify_on_end(self, callback: Callable[[], None] | None) -> None:
-        """The supervisor's `Watched` is told when the loop's thread ends (no polling)."""
-        self._ends.notify_on_end(callback)
-
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def restart(self) -> None:
-        """Start a new thread after this one died (the supervisor's call)."""
-        self._thread = None
-        self.start()
-
-    def request_stop(self) -> None:
-        """Ask the loop to end; it notices within `wait_ms`."""
-        self._stop.set()
-
-    def stop(self, timeout: float | None = None) -> None:
-        """Ask the loop to end and join it (by default, for up to `wait_ms` and 2 s more)."""
-        self._stop.set()
-        if timeout is None:
-            timeout = self.wait_ms / 1000 + 2.0
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                self._log.info(
-                    "the NVML event wait ends on its own (it cannot be interrupted)",
-                    wait_ms=self.wait_ms,
-                )
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self._session()
-            except _MonitorFailure as failure:
-                self._failed(failure.reason, failure.detail)
-            except Exception as exc:  # a bug must not end health monitoring: retry like a failure
-                self._log.exception("nvml watcher crashed")
-                self._failed(NVML_EVENT_LOOP_FAILED, f"{type(exc).__name__}: {exc}")
-            finally:
-                self._ready = False
-            self._stop.wait(self.retry_seconds)
-
-    def _session(self) -> None:
+    def _session(self, stop: threading.Event, ready: Callable[[], None]) -> None:
         library = find_library(self.root)
         if library is None:
-            raise _MonitorFailure(NVML_INIT_FAILED, f"{LIBRARY} not found under {self.root.root}")
+            raise MonitorFailure(NVML_INIT_FAILED, f"{LIBRARY} not found under {self.root.root}")
         with contextlib.ExitStack() as stack:
             try:
                 stack.enter_context(nvml_session(library))
             except OSError as exc:
-                raise _MonitorFailure(NVML_INIT_FAILED, f"cannot load {library}: {exc}") from exc
+                raise MonitorFailure(NVML_INIT_FAILED, f"cannot load {library}: {exc}") from exc
             except pynvml.NVMLError as exc:
-                raise _MonitorFailure(NVML_INIT_FAILED, f"nvmlInit ({library}): {exc}") from exc
+                raise MonitorFailure(NVML_INIT_FAILED, f"nvmlInit ({library}): {exc}") from exc
             try:
                 event_set = pynvml.nvmlEventSetCreate()
             except pynvml.NVMLError as exc:
-                raise _MonitorFailure(NVML_EVENT_LOOP_FAILED, f"nvmlEventSetCreate: {exc}") from exc
+                raise MonitorFailure(NVML_EVENT_LOOP_FAILED, f"nvmlEventSetCreate: {exc}") from exc
             stack.callback(_free, event_set, self._log)
-            self._loop(event_set, self._register(event_set))
+            self._loop(event_set, self._register(event_set), stop, ready)
 
     def _register(self, event_set: Any) -> dict[int, _Gpu]:
         """Watched GPUs by handle address."""
         try:
             count = int(pynvml.nvmlDeviceGetCount())
         except pynvml.NVMLError as exc:
-            raise _MonitorFailure(NVML_EVENT_LOOP_FAILED, f"nvmlDeviceGetCount: {exc}") from exc
+            raise MonitorFailure(NVML_EVENT_LOOP_FAILED, f"nvmlDeviceGetCount: {exc}") from exc
         self._lost &= set(range(count))
         gpus: dict[int, _Gpu] = {}
         for index in range(count):
@@ -210,9 +175,15 @@ class NvmlWatcher:
         gpus[_address(handle)] = gpu
         self._mark_found(index)
 
-    def _loop(self, event_set: Any, gpus: dict[int, _Gpu]) -> None:
+    def _loop(
+        self,
+        event_set: Any,
+        gpus: dict[int, _Gpu],
+        stop: threading.Event,
+        ready: Callable[[], None],
+    ) -> None:
         next_probe = time.monotonic() + LOST_PROBE_SECONDS
-        while not self._stop.is_set():
+        while not stop.is_set():
             try:
                 # The first wait returns at once: it shows whether the loop works.
                 data = pynvml.nvmlEventSetWait(event_set, self.wait_ms if self._ready else 0)
@@ -220,13 +191,13 @@ class NvmlWatcher:
                 data = None
             except pynvml.NVMLError_GpuIsLost:
                 # NVML names no GPU here: find which, and do not spin while it stays lost.
-                self._confirm_running()
+                self._confirm_running(ready)
                 self._probe(gpus.values())
-                self._stop.wait(self.wait_ms / 1000)
+                stop.wait(self.wait_ms / 1000)
                 continue
             except pynvml.NVMLError as exc:
-                raise _MonitorFailure(NVML_EVENT_LOOP_FAILED, f"nvmlEventSetWait: {exc}") from exc
-            self._confirm_running()
+                raise MonitorFailure(NVML_EVENT_LOOP_FAILED, f"nvmlEventSetWait: {exc}") from exc
+            self._confirm_running(ready)
             if data is not None:
                 self._handle(data, gpus)
             if self._lost and time.monotonic() >= next_probe:
@@ -328,11 +299,12 @@ class NvmlWatcher:
             )
         )
 
-    def _confirm_running(self) -> None:
+    def _confirm_running(self, ready: Callable[[], None]) -> None:
         if self._ready:
             return
         self._ready = True
-        self._log.info("nvml event loop running", restarts=self.restarts)
+        ready()
+        self._log.info("nvml event loop running")
         for reason in sorted(self._failing):
             self._emit(
                 HealthEvent(
@@ -348,14 +320,6 @@ class NvmlWatcher:
         self._failing.clear()
 
     def _failed(self, reason: str, detail: str) -> None:
-        self.restarts += 1
-        self._log.warning(
-            "nvml monitor failed",
-            reason=reason,
-            error=detail,
-            restarts=self.restarts,
-            retry_seconds=self.retry_seconds,
-        )
         if reason in self._failing:
             return
         self._failing.add(reason)

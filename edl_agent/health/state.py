@@ -170,9 +170,10 @@ class DeviceState:
             return True
 
     def wait_newer(
-        self, version: int, timeout: float, cancel: threading.Event | None = None
+        self, version: int, timeout: float | None, cancel: threading.Event | None = None
     ) -> Snapshot | None:
-        """The first snapshot newer than `version`, or None on timeout, close or `cancel`."""
+        """The first snapshot newer than `version`, or None on timeout (None: no timeout), close
+        or `cancel`. Whoever sets `cancel` calls `wake()` after it."""
 
         def done() -> bool:
             cancelled = cancel is not None and cancel.is_set()

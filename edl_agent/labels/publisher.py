@@ -1,13 +1,15 @@
-"""Publishes the node's labels, AcceleratorHealthy condition and events, on its own thread.
+"""Publishes the node's labels, AcceleratorHealthy condition and events: a supervised part.
 
 API calls can block for seconds; they must not hold up kubelet's device plugin or the health
-stream, so this loop runs on its own thread (watched by the supervisor). It recomputes when an
+stream, so this loop is a part of its own, and the watch of the Node (`watching.NodeWatcher`)
+another (`parts()` hands both to the supervisor). It recomputes when an
 input changes and only then: the device state (inventory, health), what the health hub shows
 (reasons, failing monitors: `poke_event`, set through the hub's subscription), whether the state
 directory refuses writes (`poke_event` again, set by the agent when that starts or ends), the
 Node as the watcher sees it (cordon and release annotations), an event to announce. It writes
-only what changed, and rewrites everything every `node.resync_seconds`. A failed write is
-logged, counted and retried with backoff.
+only what changed, and rewrites everything every `node.resync_seconds`. A failed API call is
+logged, counted and retried with backoff; anything else ends the part, which the supervisor runs
+again.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from edl_agent.labels.events import EventSpec
 from edl_agent.labels.node import NodeUpdater
 from edl_agent.labels.watching import NodeWatcher
 from edl_agent.runtime.backoff import Backoff
+from edl_agent.runtime.supervisor import Part, on_stop
 
 MAX_BACKOFF_SECONDS = 30.0
 
@@ -50,6 +53,8 @@ class _Poke(threading.Event):
 
 
 class NodePublisher:
+    name = "node-publisher"
+
     def __init__(
         self,
         *,
@@ -78,16 +83,13 @@ class NodePublisher:
         self.updater = NodeUpdater(api=api, node_name=node, settings=settings.node)
         self.watcher = NodeWatcher(api, node, self._observed) if api is not None else None
         self._machine = root.read_optional("/sys/class/dmi/id/product_name")
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self.failures = 0
         self._log = structlog.get_logger().bind(part="node-publisher", node=node)
 
-    def start(self) -> None:
-        if self.watcher is not None:
-            self.watcher.start()
-        self._thread = threading.Thread(target=self._run, name="node-publisher", daemon=True)
-        self._thread.start()
+    def parts(self) -> list[Part]:
+        """What the supervisor runs: this loop, ready once it published, and the Node's watch
+        (when there is an API client), ready at once."""
+        return [self] if self.watcher is None else [self, self.watcher]
 
     def announce(self, event: EventSpec) -> None:
         """An event for the Node that no health change implies (a reset by the agent, an
@@ -100,31 +102,19 @@ class NodePublisher:
         self.updater.observe(node)
         self.poke_event.set()  # its annotations may cordon or release devices
 
-    def alive(self) -> bool:
-        watching = self.watcher is None or self.watcher.alive()
-        return watching and self._thread is not None and self._thread.is_alive()
+    def run(self, stop: threading.Event, ready: Callable[[], None]) -> None:
+        """Publish until `stop` (a `StopSignal`: it ends the wait for the next change)."""
+        forget = on_stop(stop, self.poke_event.set)
+        try:
+            self._keep_publishing(stop, ready)
+        finally:
+            forget()
 
-    def restart(self) -> None:
-        """Start what died again (the supervisor's call)."""
-        if self.watcher is not None and not self.watcher.alive():
-            self.watcher.restart()
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name="node-publisher", daemon=True)
-            self._thread.start()
-
-    def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        self.poke_event.set()
-        if self.watcher is not None:
-            self.watcher.stop()
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    def _run(self) -> None:
+    def _keep_publishing(self, stop: threading.Event, ready: Callable[[], None]) -> None:
         version = 0
         next_resync = 0.0
         backoff = Backoff(initial=2.0, maximum=MAX_BACKOFF_SECONDS)
-        while not self._stop.is_set():
+        while not stop.is_set():
             now = time.monotonic()
             force = now >= next_resync
             self.poke_event.clear()  # a poke while publishing comes round again
@@ -134,18 +124,13 @@ class NodePublisher:
                 self.failures += 1
                 delay = backoff.next_delay()
                 self._log.warning("node update failed", error=str(exc), retry_in=round(delay, 2))
-                self._stop.wait(delay)
+                stop.wait(delay)
                 continue
-            except Exception:  # a bug here must not end the loop for good
-                self.failures += 1
-                delay = backoff.next_delay()
-                self._log.exception("node publisher failed", retry_in=round(delay, 2))
-                self._stop.wait(delay)
-                continue
+            ready()
             backoff.reset()
             if force:
                 next_resync = now + self._settings.node.resync_seconds
-            if self._stop.is_set():
+            if stop.is_set():
                 break
             wait = max(0.0, next_resync - time.monotonic())
             self._state.wait_newer(version, wait, self.poke_event)

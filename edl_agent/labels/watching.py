@@ -1,9 +1,10 @@
-"""Keeps the agent's view of its own Node current through a watch, on its own thread.
+"""Keeps the agent's view of its own Node current through a watch: a supervised part of its own.
 
 The live per-device cordon (`edl.io/cordoned-devices`) takes effect as soon as an operator sets
 it, with no polling: one long-lived watch per node, of one object. The watch is started again
 whenever the server ends it (every `timeout_seconds`), from scratch after 410 Gone, and after a
-back-off on any other failure; a failure is logged and counted, never the end of the watching.
+back-off on any other API failure; such a failure is logged and counted, never the end of the
+watching.
 """
 
 from __future__ import annotations

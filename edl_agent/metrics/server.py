@@ -1,8 +1,11 @@
 """The metrics HTTP server: /metrics from a registry of our own, /healthz and /readyz.
 
-It runs on its own daemon thread and answers each connection on a thread of its own, so a slow
-scrape never holds up a probe. /healthz answers 200 for as long as the process serves;
-/readyz asks the `ready` callable and answers 200 or 503 with its reason as the body.
+`bind()` takes the address (OSError when it cannot: the caller says so at start); `run(stop,
+ready)` is the supervised part that serves it, blocking in a `select` on the listening socket and
+a wake-up socket the stop writes to, so an idle server never wakes. Each connection is answered on
+a thread of its own, so a slow scrape never holds up a probe. /healthz answers 200 for as long as
+the process serves; /readyz asks the `ready` callable and answers 200 or 503 with its reason as
+the body.
 
 Its bounds: a listen backlog that holds a burst of new connections (kubelet's probes open one
 per probe and give up after a second, shorter than a dropped SYN's retransmit); a connection
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import selectors
 import socket
 import socketserver
 import sys
@@ -28,7 +32,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from edl_agent.address import parse_host_port
-from edl_agent.runtime.ending import EndNotice
+from edl_agent.runtime.supervisor import StopSignal, on_stop
 
 # Connections waiting to be accepted; the kernel caps it at net.core.somaxconn.
 LISTEN_BACKLOG = 128
@@ -37,9 +41,6 @@ LISTEN_BACKLOG = 128
 IDLE_TIMEOUT_SECONDS = 5.0
 # Connections served at once; more are turned away (503) rather than each given a thread.
 MAX_CONNECTIONS = 128
-# The serving loop's poll; a stop does not wait for it (`_knock`), so it only bounds a stop whose
-# knock cannot connect. Long, so that an idle agent does not wake for it.
-SHUTDOWN_POLL_SECONDS = 5.0
 
 Readiness = Callable[[], tuple[bool, str]]
 
@@ -54,15 +55,22 @@ def parse_address(address: str) -> tuple[str, int]:
     return parse_host_port(address)
 
 
-def _knock(address: tuple[Any, ...]) -> None:
-    """Connect to the server's own socket and leave: its poll returns at once."""
-    host = str(address[0])
-    local = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)  # noqa: S104 - a bind-all address
+def _wake_up(wake: socket.socket) -> None:
+    with contextlib.suppress(OSError):  # closed: the serving loop has ended already
+        wake.send(b"\0")
+
+
+def _accept(server: _HTTPServer) -> None:
+    """Take one waiting connection and hand it on (what `serve_forever` does for each)."""
     try:
-        with socket.create_connection((local, address[1]), timeout=0.2):
-            pass
-    except OSError:
-        pass  # the poll's own end comes soon enough
+        request, client_address = server.get_request()
+    except OSError:  # gone again before it was taken (BlockingIOError among them)
+        return
+    try:
+        server.process_request(request, client_address)
+    except Exception:
+        server.handle_error(request, client_address)
+        server.shutdown_request(request)
 
 
 _TOO_MANY = b"too many connections; try again\n"
@@ -205,7 +213,9 @@ class _Handler(BaseHTTPRequestHandler):
 
 class MetricsServer:
     """Serves `registry` at /metrics on `address` (see `parse_address`); port 0 picks a free
-    port, readable from `port` once started. `idle_timeout` and `max_connections`: see above."""
+    port, readable from `port` once bound. `idle_timeout` and `max_connections`: see above."""
+
+    name = "metrics"
 
     def __init__(
         self,
@@ -222,74 +232,96 @@ class MetricsServer:
         self._idle_timeout = idle_timeout
         self._max_connections = max_connections
         self._server: _HTTPServer | None = None
-        self._thread: threading.Thread | None = None
-        self._ends = EndNotice()
+        self._serving: tuple[StopSignal, threading.Thread] | None = None
         self._log = structlog.get_logger().bind(address=address)
 
     @property
     def port(self) -> int:
-        """The bound port (the requested one until started)."""
-        if self._server is None:
+        """The bound port (the requested one until bound)."""
+        server = self._server
+        if server is None:
             return self._requested_port
-        return int(self._server.server_address[1])
+        return int(server.server_address[1])
 
     @property
     def connections(self) -> int:
         """The connections open now, each held by a thread."""
-        return 0 if self._server is None else self._server.connections
+        server = self._server
+        return 0 if server is None else server.connections
 
     @property
     def url(self) -> str:
         host = self.host or "127.0.0.1"
         return f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
 
+    def bind(self) -> None:
+        """Take the address (OSError when it is taken or cannot be had); served by `run`."""
+        self._bound()
+
+    def _bound(self) -> _HTTPServer:
+        if self._server is None:
+            self._server = _HTTPServer(
+                self.host,
+                self._requested_port,
+                _Handler,
+                self,
+                idle_timeout=self._idle_timeout,
+                max_connections=self._max_connections,
+            )
+            self._server.socket.setblocking(False)  # accepted once `select` says one waits
+            self._log.info("serving metrics", port=self.port)
+        return self._server
+
+    def run(self, stop: threading.Event, ready: Callable[[], None]) -> None:
+        """Serve until `stop` (a `StopSignal`), binding first unless `bind()` did; the address
+        is released when stopped. Ready once it listens."""
+        server = self._bound()
+        wake, woken = socket.socketpair()
+        forget = on_stop(stop, lambda: _wake_up(wake))
+        try:
+            with selectors.DefaultSelector() as selector:
+                selector.register(server.socket, selectors.EVENT_READ)
+                selector.register(woken, selectors.EVENT_READ)
+                ready()
+                while not stop.is_set():
+                    for key, _ in selector.select():
+                        if key.fileobj is server.socket:
+                            _accept(server)
+        finally:
+            forget()
+            wake.close()
+            woken.close()
+            if stop.is_set():
+                self.close()
+
+    def close(self) -> None:
+        """Release the address (after `run` ended, or when it never ran)."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.server_close()
+
     def start(self) -> None:
-        """Bind (raising OSError when the address is taken) and serve on a daemon thread."""
-        if self._server is not None:
+        """Bind, then serve on a thread of this object's own until `stop()`: for a process
+        that runs no supervisor over it."""
+        if self._serving is not None:
             return
-        self._server = _HTTPServer(
-            self.host,
-            self._requested_port,
-            _Handler,
-            self,
-            idle_timeout=self._idle_timeout,
-            max_connections=self._max_connections,
+        self.bind()
+        stop = StopSignal()
+        thread = threading.Thread(
+            target=self.run, args=(stop, lambda: None), name="metrics-http", daemon=True
         )
-        server = self._server
-        self._thread = self._ends.thread(
-            lambda: server.serve_forever(poll_interval=SHUTDOWN_POLL_SECONDS), "metrics-http"
-        )
-        self._thread.start()
-        self._log.info("serving metrics", port=self.port)
-
-    def notify_on_end(self, callback: Callable[[], None] | None) -> None:
-        """The supervisor's `Watched` is told when the serving thread ends (no polling)."""
-        self._ends.notify_on_end(callback)
-
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def restart(self) -> None:
-        """Serve again after the server thread died (the supervisor's call)."""
-        self.stop()
-        self.start()
+        self._serving = stop, thread
+        thread.start()
 
     def stop(self) -> None:
-        """Stop accepting, close the socket and wait for the serving thread."""
-        server, thread = self._server, self._thread
-        self._server = self._thread = None
-        if server is None:
+        """End what `start()` began: stop accepting, release the address, wait for the thread."""
+        serving, self._serving = self._serving, None
+        if serving is None:
+            self.close()
             return
-        # shutdown() waits until the serving loop looks at its flag, which it does once a poll
-        # ends: a connection of our own ends the poll at once instead of in SHUTDOWN_POLL_SECONDS.
-        stopping = threading.Thread(target=server.shutdown, name="metrics-shutdown")
-        stopping.start()
-        while stopping.is_alive():
-            _knock(server.server_address)
-            stopping.join(0.05)
-        server.server_close()
-        if thread is not None:
-            thread.join()
+        stop, thread = serving
+        stop.set()
+        thread.join()
 
     def metrics(self, accept: str) -> tuple[int, bytes, str]:
         encoder, content_type = choose_encoder(accept)

@@ -18,10 +18,6 @@ from edl_agent.health.state import DeviceState, Snapshot
 from edl_agent.plugin import allocation, preferred
 from edl_agent.threaded_servicer import CallContext
 
-# ListAndWatch streams are woken when their call ends (and when their server stops); this is
-# only the backstop for a wake-up that was missed.
-WATCH_TICK_SECONDS = 5.0
-
 
 class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
     def __init__(
@@ -37,11 +33,17 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
         self._settings = settings
         self._root = root
         self._stopping = threading.Event()
+        self._streams: set[threading.Event] = set()  # each open stream's end
+        self._streams_lock = threading.Lock()
         self._log = structlog.get_logger().bind(resource=resource)
 
     def stop(self) -> None:
         """End every ListAndWatch stream of this service."""
-        self._stopping.set()
+        with self._streams_lock:
+            self._stopping.set()
+            streams = list(self._streams)
+        for ended in streams:
+            ended.set()
         self._state.wake()
 
     def GetDevicePluginOptions(
@@ -52,13 +54,37 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
     def ListAndWatch(
         self, request: api_pb2.Empty, context: CallContext
     ) -> Iterator[api_pb2.ListAndWatchResponse]:
-        context.add_callback(self._state.wake)  # a call that ends (kubelet gone) ends the loop
+        # The stream waits for a newer snapshot, its call's end (kubelet gone) or the service's
+        # stop, with no timeout: each of those sets `ended` before it wakes the waiters, so a
+        # wake-up that comes before the wait begins is not lost.
+        ended = threading.Event()
+
+        def end() -> None:
+            ended.set()
+            self._state.wake()
+
+        with self._streams_lock:
+            self._streams.add(ended)
+            if self._stopping.is_set():
+                ended.set()
+        if not context.add_callback(end):
+            ended.set()
+        try:
+            yield from self._watch(context, ended)
+        finally:
+            with self._streams_lock:
+                self._streams.discard(ended)
+        self._log.info("list and watch ended")
+
+    def _watch(
+        self, context: CallContext, ended: threading.Event
+    ) -> Iterator[api_pb2.ListAndWatchResponse]:
         snapshot = self._state.snapshot()
         sent = self._device_list(snapshot)
         self._log.info("list and watch started", devices=len(sent.devices))
         yield sent
-        while not self._stopping.is_set() and context.is_active():
-            newer = self._state.wait_newer(snapshot.version, WATCH_TICK_SECONDS, self._stopping)
+        while not ended.is_set() and context.is_active():
+            newer = self._state.wait_newer(snapshot.version, None, ended)
             if newer is None:
                 if self._state.closed:
                     break
@@ -72,7 +98,6 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
                 )
                 sent = update
                 yield update
-        self._log.info("list and watch ended")
 
     def GetPreferredAllocation(
         self, request: api_pb2.PreferredAllocationRequest, context: CallContext

@@ -25,7 +25,8 @@ from edl_agent.errors import UsageError
 from edl_agent.metrics.server import MetricsServer
 from edl_agent.restarter.adapters.auth import CachedReviewer, TokenReviewer
 from edl_agent.restarter.adapters.events import EventWriter
-from edl_agent.restarter.adapters.intake import FaultIntake, IntakeError, IntakeServer
+from edl_agent.restarter.adapters.intake import FaultIntake
+from edl_agent.restarter.adapters.intake_server import IntakeError, IntakeServer
 from edl_agent.restarter.adapters.kube_controller import connect
 from edl_agent.restarter.adapters.leader import LeaderElector, label_own_pod
 from edl_agent.restarter.adapters.watchers import ClusterWatcher
@@ -56,6 +57,13 @@ class Restarter:
         self.metrics = RestarterMetrics()
         self.stop = StopSignal()
         tuning = settings.controller
+        for key in tuning.obsolete():
+            logger.warning(
+                "a setting no longer used is ignored",
+                key=f"controller.{key}",
+                value=getattr(tuning, key),
+                why="the restarter waits for faults, node changes and due times, not on a tick",
+            )
         self.supervisor = Supervisor(
             self.stop,
             initial_backoff=tuning.part_backoff_seconds,

@@ -20,6 +20,8 @@ from edl_agent.faults.outbox import Outbox
 from edl_agent.faults.pod_exits import PodExitWatcher
 from edl_agent.faults.sender import Sender, SenderSettings
 from edl_agent.kube import KubeApi
+from tests.parts import running
+from tests.parts import stop as stop_parts
 
 
 @pytest.fixture
@@ -56,14 +58,14 @@ def test_a_pod_exit_is_reported_once(
     elsewhere = k8s.create_pod(node=other_node)
     outbox = Outbox(tmp_path / "state" / "outbox")
     watcher = PodExitWatcher(api, node, outbox.enqueue)
-    watcher.start()
+    watching = running(watcher)
     try:
         assert watcher.wait_listed(20)
         k8s.exit_pod(elsewhere.metadata.name, 1)  # another node's pod: not ours to report
         k8s.exit_pod(pod.metadata.name, 137)
         wait_until(what="the exit in the outbox", done=lambda: len(outbox) > 0)
     finally:
-        watcher.stop()
+        stop_parts(watching)
     assert watcher.failures == 0
     [fault] = outbox.pending()
     uid = pod.metadata.uid
@@ -75,9 +77,9 @@ def test_a_pod_exit_is_reported_once(
 
     # An agent restart lists the pods again: the same exit, the same id, still one entry.
     again = PodExitWatcher(api, node, outbox.enqueue)
-    again.start()
+    watching = running(again)
     assert again.wait_listed(20)
-    again.stop()
+    stop_parts(watching)
     assert [f.id for f in outbox.pending()] == [fault.id]
 
     restarter = restarter_for(k8s)
@@ -86,18 +88,18 @@ def test_a_pod_exit_is_reported_once(
     token_file.write_text(token)
     settings = SenderSettings(restarter.address, token_file, backoff_initial=0.05)
     sender = Sender(outbox, settings)
-    sender.start()
+    sending = running(sender)
     try:
         wait_until(what="the outbox to empty", done=lambda: len(outbox) == 0)
         # Seen again after it was acknowledged (a third agent start): a duplicate, not a new fault.
         third = PodExitWatcher(api, node, outbox.enqueue)
-        third.start()
+        watching = running(third)
         assert third.wait_listed(20)
-        third.stop()
+        stop_parts(watching)
         wait_until(what="the duplicate's answer", done=lambda: sender.counts().duplicates == 1)
         assert len(outbox) == 0
     finally:
-        sender.stop()
+        stop_parts(sending)
         outbox.close()
         restarter.server.stop(0)
     assert restarter.ids() == {fault.id: 1}

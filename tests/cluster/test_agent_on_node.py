@@ -55,7 +55,7 @@ def _run_agent(
             "faults": {"state_dir": str(tmp_path / "state")},
         }
     )
-    node_agent = Agent(settings)
+    node_agent = Agent.discover(settings)
     node_agent.start_publisher(agent.api)
     thread = threading.Thread(target=node_agent.run)
     thread.start()

@@ -43,7 +43,8 @@ from manifests import (
 )
 
 from edl_agent._proto.edl.fault.v1 import fault_pb2, fault_pb2_grpc
-from edl_agent.restarter.adapters.intake import FaultIntake, IntakeServer
+from edl_agent.restarter.adapters.intake import FaultIntake
+from edl_agent.restarter.adapters.intake_server import IntakeServer
 from edl_agent.restarter.core.callers import Identity
 
 CERT_MANAGER_OBJECTS = {

@@ -42,7 +42,10 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from manifests import delete_workloads, dry_run_warnings, kubectl_name, kustomized
 
-from edl_agent import cli, log
+from edl_agent import log
+from edl_agent.cli.command import build_parser
+from edl_agent.cli.run import run_command
+from edl_agent.cli.settings import settings_from_args
 from edl_agent.config import FaultSettings, Settings
 from edl_agent.devices import names
 from edl_agent.devices.discovery import node_name
@@ -226,12 +229,12 @@ def test_the_manifests_agree_with_each_other_and_the_code(
 
     # The agent's flags and environment make valid settings, pointing where the pod mounts.
     assert agent["command"] == ["edl-agent"]
-    args = cli.build_parser().parse_args(agent["args"])
-    assert args.handler is cli._run
+    args = build_parser().parse_args(agent["args"])
+    assert args.handler is run_command
     env = {e["name"]: e.get("value", "") for e in agent["env"]}
     env["NODE_NAME"] = "gpu-node-1"  # from the downward API
     monkeypatch.setattr(log, "configure", lambda *_args, **_kw: None)
-    settings: Settings = cli.settings_from_args(args, environ=env)
+    settings: Settings = settings_from_args(args, environ=env)
     mounts = {m["name"]: m for m in agent["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert node_name(settings, HostRoot.at(tmp_path), env) == "gpu-node-1"
@@ -327,7 +330,7 @@ def test_the_restarter_flags_are_the_commands_own() -> None:
     deployment = find(built(), "Deployment", "edl-restarter")
     (restarter,) = deployment["spec"]["template"]["spec"]["containers"]
 
-    args = cli.build_parser().parse_args(restarter["args"])  # exits 2 on an unknown flag
+    args = build_parser().parse_args(restarter["args"])  # exits 2 on an unknown flag
 
     assert args.command == "restarter"
     assert restarter_cli.settings_from_args(args, environ={}).election.lease_name == "edl-restarter"

@@ -56,7 +56,9 @@ from manifests import (
     rendered,
 )
 
-from edl_agent import cli, log
+from edl_agent import log
+from edl_agent.cli.command import build_parser
+from edl_agent.cli.settings import settings_from_args
 from edl_agent.config import Settings
 from edl_agent.devices.model import PCI_VENDORS
 from edl_agent.restarter import cli as restarter_cli
@@ -366,11 +368,11 @@ def test_every_option_lands_where_it_should(
         *({"key": k, "operator": "Exists"} for k in taints),
         *values["agent"]["tolerations"],
     ]
-    args = cli.build_parser().parse_args(agent["args"])  # exits 2 on an unknown flag
+    args = build_parser().parse_args(agent["args"])  # exits 2 on an unknown flag
     env = {e["name"]: e.get("value", "") for e in agent["env"]}
     env["NODE_NAME"] = "gpu-node-1"
     monkeypatch.setattr(log, "configure", lambda *_args, **_kw: None)
-    settings: Settings = cli.settings_from_args(args, environ=env)
+    settings: Settings = settings_from_args(args, environ=env)
     assert settings.log_level == "debug"  # agent.extraArgs
     assert settings.nvidia.mig_strategy == "mixed"  # agent.extraEnv
     enabled = {
@@ -389,7 +391,7 @@ def test_every_option_lands_where_it_should(
     assert restarter_pod["tolerations"] == values["restarter"]["tolerations"]
     assert "affinity" not in restarter_pod
     parsed = restarter_cli.settings_from_args(
-        cli.build_parser().parse_args(restarter["args"]), environ={}
+        build_parser().parse_args(restarter["args"]), environ={}
     )
     assert parsed.node_grace_seconds == 60
     assert list(parsed.namespaces) == ["training"]

@@ -27,9 +27,12 @@ from edl_agent.faults.outbox import Outbox
 from edl_agent.faults.pod_faults import container_exit_faults
 from edl_agent.faults.sender import Sender, SenderSettings
 from edl_agent.restarter.adapters.auth import CachedReviewer, TokenReviewer
-from edl_agent.restarter.adapters.intake import FaultIntake, IntakeServer
+from edl_agent.restarter.adapters.intake import FaultIntake
+from edl_agent.restarter.adapters.intake_server import IntakeServer
 from edl_agent.restarter.core.callers import service_account_user
 from tests import waiting
+from tests.parts import running
+from tests.parts import stop as stop_parts
 
 wait_until = functools.partial(waiting.wait_until, timeout=20.0)
 
@@ -143,7 +146,7 @@ def test_faults_about_the_agents_node_are_accepted_once(
     node_a, _ = nodes
     token = pod_bound_token(k8s, node_a)
     outbox, sender = agent(tmp_path, restarter.address, token)
-    sender.start()
+    sending = running(sender)
     try:
         for n in range(3):
             outbox.enqueue(fault(n, node_a))
@@ -151,7 +154,7 @@ def test_faults_about_the_agents_node_are_accepted_once(
         outbox.enqueue(fault(1, node_a))  # the same fault again, as after an agent restart
         wait_until(what="the outbox to empty", done=lambda: len(outbox) == 0)
     finally:
-        sender.stop()
+        stop_parts(sending)
         outbox.close()
     assert restarter.ids() == kept(node_a, 0, 1, 2)
     assert {f.node for f in restarter.received} == {node_a}
@@ -205,12 +208,12 @@ def test_the_sender_drops_a_refused_fault(
     node_a, node_b = nodes
     token = pod_bound_token(k8s, node_b)
     outbox, sender = agent(tmp_path, restarter.address, token)
-    sender.start()
+    sending = running(sender)
     try:
         outbox.enqueue(fault(1, node_a))
         wait_until(what="the outbox to empty", done=lambda: len(outbox) == 0)
     finally:
-        sender.stop()
+        stop_parts(sending)
         outbox.close()
     assert sender.counts().refused == 1
     assert restarter.received == []
@@ -242,16 +245,16 @@ def test_the_outbox_outlives_a_restarter_outage_and_an_agent_restart(
     address = f"127.0.0.1:{port}"
 
     outbox, sender = agent(tmp_path, address, token)
-    sender.start()
+    sending = running(sender)
     for n in range(5):
         outbox.enqueue(fault(n, node_a))
     wait_until(what="failed calls", done=lambda: sender.counts().call_failures >= 3)
-    sender.stop()  # the agent restarts while the restarter is still down
+    stop_parts(sending)  # the agent restarts while the restarter is still down
     outbox.close()
 
     outbox, sender = agent(tmp_path, address, token)
     assert [f.id for f in outbox.pending()] == [f"fault-{n}" for n in range(5)]
-    sender.start()
+    sending = running(sender)
     outbox.enqueue(fault(5, node_a))
     outbox.enqueue(fault(2, node_a))  # observed again after the restart: still pending, one entry
     wait_until(what="the new agent to fail too", done=lambda: sender.counts().call_failures >= 1)
@@ -260,7 +263,7 @@ def test_the_outbox_outlives_a_restarter_outage_and_an_agent_restart(
     try:
         wait_until(what="the outbox to empty", done=lambda: len(outbox) == 0)
     finally:
-        sender.stop()
+        stop_parts(sending)
         outbox.close()
         restarter.server.stop(0)
     assert restarter.ids() == kept(node_a, *range(6))

@@ -41,7 +41,8 @@ from edl_agent._proto.edl.fault.v1 import fault_pb2
 from edl_agent.faults.bounds import MAX_DEVICE_ID
 from edl_agent.faults.model import Fault, FaultKind, PodRef
 from edl_agent.restarter.adapters.auth import CachedReviewer, TokenReviewer
-from edl_agent.restarter.adapters.intake import FaultIntake, IntakeServer
+from edl_agent.restarter.adapters.intake import FaultIntake
+from edl_agent.restarter.adapters.intake_server import IntakeServer
 from edl_agent.restarter.core.callers import service_account_user
 from edl_agent.restarter.core.controller import Controller
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -35,6 +34,8 @@ from edl_agent.labels.ownership import OWNED_LABELS
 from edl_agent.labels.watching import NodeWatcher
 from edl_agent.sim.profile import load_profile
 from edl_agent.sim.tree import build_tree
+from tests.parts import running
+from tests.parts import stop as stop_parts
 
 MANIFEST = Path(__file__).resolve().parents[2] / "deploy" / "daemonset" / "agent-rbac.yaml"
 MERGE = "application/merge-patch+json"
@@ -361,7 +362,7 @@ def test_cordon_annotation_is_read_and_watched(agent: Agent, h100: Simulated) ->
     devices = h100.inventory.devices
     gpu3, gpu5 = (next(d for d in devices if d.index == i) for i in (3, 5))
     watcher = NodeWatcher(agent.api, agent.node, agent.updater.observe, timeout_seconds=30)
-    watcher.start()
+    watching = running(watcher)
     try:
         assert watcher.wait_seen(10)
         value = f"nvidia:3, {gpu5.id}, nvidia:42"
@@ -386,9 +387,8 @@ def test_cordon_annotation_is_read_and_watched(agent: Agent, h100: Simulated) ->
             timeout=10,
         )
     finally:
-        watcher.stop(timeout=5)
+        stop_parts(watching)
     assert watcher.failures == 0
-    assert not [t for t in threading.enumerate() if t.name == "node-watch"]
 
     agent.admin.core.patch_node(
         agent.node, {"metadata": {"annotations": {CORDONED_DEVICES: "nvidia:0"}}}

@@ -43,7 +43,7 @@ from test_e2e import processes
 from test_restarter import GROUP, PLURAL, VERSION
 from test_training import managed_scheduler, policy_crd, start_restarter_and_agents
 
-from edl_agent.restarter.adapters.watchers import OUT_OF_SERVICE_TAINT
+from edl_agent.restarter.adapters.nodes import OUT_OF_SERVICE_TAINT
 
 __all__ = ["managed_scheduler", "policy_crd", "processes"]
 

@@ -26,7 +26,7 @@ from test_restarter import (  # fixtures too: pytest finds them among the module
 )
 
 from edl_agent.faults.pod_faults import DISRUPTION_REASON
-from edl_agent.restarter.adapters.watchers import OUT_OF_SERVICE_TAINT
+from edl_agent.restarter.adapters.nodes import OUT_OF_SERVICE_TAINT
 
 __all__ = ["controller", "crd", "make_policy", "objects", "restarter_rbac"]
 

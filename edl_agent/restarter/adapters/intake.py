@@ -1,4 +1,5 @@
-"""The restarter's fault intake: the `edl.fault.v1.FaultIntake` gRPC service and its server.
+"""The restarter's fault intake: the `edl.fault.v1.FaultIntake` gRPC service, which judges each
+report and hands on what it believes (`intake_server` serves it).
 
 Every call is authenticated (see `auth`): a call without a token, with a token TokenReview does
 not accept, or from another ServiceAccount fails as a whole (UNAUTHENTICATED or
@@ -47,10 +48,8 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
-from concurrent import futures
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any, NoReturn
 
 import grpc
@@ -58,14 +57,12 @@ import structlog
 from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 
 from edl_agent._proto.edl.fault.v1 import fault_pb2, fault_pb2_grpc
-from edl_agent.address import is_loopback
 from edl_agent.devices.settings import MAX_SHARES_PER_DEVICE
 from edl_agent.faults.bounds import bound, too_long_name
 from edl_agent.faults.convert import InvalidFault, from_proto
 from edl_agent.faults.ids import observer_scoped_id
 from edl_agent.faults.model import Fault, FaultKind, PodRef
-from edl_agent.restarter.adapters.peer_gate import PeerGate
-from edl_agent.restarter.adapters.server_tls import CertificateError, ReloadingCertificate
+from edl_agent.log_limit import LogLimiter
 from edl_agent.restarter.core.callers import (
     Identity,
     Refusal,
@@ -77,7 +74,6 @@ from edl_agent.restarter.core.callers import (
 )
 from edl_agent.restarter.core.evidence import Check, Outcome, check_exit, check_pod
 from edl_agent.restarter.core.metrics import IntakeCounts
-from edl_agent.runtime import heap
 from edl_agent.runtime.bounded import BoundedMap, BoundedSet
 
 log = structlog.get_logger(__name__)
@@ -102,7 +98,6 @@ TRIMMED = {
     "observed_at": "fault dated ahead of the restarter's clock; taken as observed now",
 }
 
-SERVICE = "edl.fault.v1.FaultIntake"
 CALL_STATUS = {
     Refusal.MALFORMED: grpc.StatusCode.INVALID_ARGUMENT,
     Refusal.NO_TOKEN: grpc.StatusCode.UNAUTHENTICATED,
@@ -111,10 +106,6 @@ CALL_STATUS = {
 }
 
 FindPod = Callable[[PodRef], Mapping[str, Any] | None]
-
-
-class IntakeError(Exception):
-    """The intake cannot serve (bad address, unreadable certificate); the message says why."""
 
 
 @dataclass(frozen=True)
@@ -148,7 +139,6 @@ class FaultIntake(fault_pb2_grpc.FaultIntakeServicer):
         self._agent_user = agent_user
         self._on_fault = on_fault
         self._remember = remember
-        self._log_interval = log_interval
         self._clock = clock
         self._now = now
         self._cache_lag = cache_lag
@@ -158,7 +148,7 @@ class FaultIntake(fault_pb2_grpc.FaultIntakeServicer):
         self._counts = IntakeCounts()
         self._refused: Counter[str] = Counter()
         self._trimmed: Counter[str] = Counter()
-        self._last_logged: dict[str, tuple[float, int]] = {}  # reason → (when, left out since)
+        self._log_limit = LogLimiter(interval=log_interval, clock=clock)  # per reason
 
     def counts(self) -> IntakeCounts:
         with self._lock:
@@ -388,14 +378,9 @@ class FaultIntake(fault_pb2_grpc.FaultIntakeServicer):
         )
 
     def _log_throttled(self, key: str, event: str, **details: object) -> None:
-        now = self._clock()
-        with self._lock:
-            last, left_out = self._last_logged.get(key, (float("-inf"), 0))
-            if now - last < self._log_interval:
-                self._last_logged[key] = (last, left_out + 1)
-                return
-            self._last_logged[key] = (now, 0)
-        log.warning(event, left_out=left_out, **details)
+        left_out = self._log_limit.allow(key)
+        if left_out is not None:
+            log.warning(event, left_out=left_out, **details)
 
 
 def _time_left(context: Any) -> bool:
@@ -410,118 +395,6 @@ def _name(ref: PodRef) -> str:
 
 def _uid(pod: Mapping[str, Any] | None) -> str:
     return str(((pod or {}).get("metadata") or {}).get("uid") or "")
-
-
-class IntakeServer:
-    """Serves a FaultIntake on `listen` (`host:port`, `:port` for every address), with TLS when
-    a certificate and key are given, behind a gate that caps the connections from one address
-    (peer_gate.py; none when `max_connections_per_peer` is 0)."""
-
-    def __init__(
-        self,
-        intake: FaultIntake,
-        *,
-        listen: str,
-        tls_cert: Path | None = None,
-        tls_key: Path | None = None,
-        workers: int = 8,
-        max_connections: int = 8192,
-        max_connections_per_peer: int = 16,
-        handshake_timeout: float = 10.0,
-        idle_timeout: float = 300.0,
-        heap_trim_seconds: float = heap.DEFAULT_INTERVAL_SECONDS,
-    ) -> None:
-        if (tls_cert is None) != (tls_key is None):
-            msg = "the intake's TLS needs both a certificate and a key"
-            raise IntakeError(msg)
-        self.intake = intake
-        self.listen = f"[::]{listen}" if listen.startswith(":") else listen
-        self._tls = (tls_cert, tls_key) if tls_cert is not None and tls_key is not None else None
-        self._workers = workers
-        self._per_peer = max_connections_per_peer  # 0: no cap, no gate (peer_gate.py)
-        self._max_connections = max_connections
-        self.gate: PeerGate | None = None
-        # grpc core closes a connection that has not finished its handshake in time (one that
-        # never starts TLS held its memory for good), refuses those beyond the cap at accept,
-        # and sends an idle one GOAWAY.
-        self._options: list[tuple[str, int]] = [
-            ("grpc.so_reuseport", 0),  # gRPC's default 1 would let a second server share calls
-            ("grpc.max_allowed_incoming_connections", max_connections),
-            ("grpc.server_handshake_timeout_ms", int(handshake_timeout * 1000)),
-            ("grpc.max_connection_idle_ms", int(idle_timeout * 1000)),
-        ]
-        # What grpc core freed after a storm of connections goes back to the system (heap.py).
-        self.trimmer = heap.HeapTrimmer(heap_trim_seconds)
-        self.certificate: ReloadingCertificate | None = None
-        self._server: Any = None
-        self._executor: futures.ThreadPoolExecutor | None = None
-        self.port = 0
-
-    def start(self) -> None:
-        """Bind and serve; `port` is then the bound port (useful with port 0)."""
-        executor = futures.ThreadPoolExecutor(
-            max_workers=self._workers, thread_name_prefix="intake"
-        )
-        server = grpc.server(executor, options=self._options)
-        report = grpc.unary_unary_rpc_method_handler(
-            self.intake.report_bytes,  # decoded there, to refuse what does not decode
-            response_serializer=fault_pb2.ReportResponse.SerializeToString,
-        )
-        server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(SERVICE, {"Report": report}),)
-        )
-        gate = None
-        try:
-            if self._per_peer:
-                gate = PeerGate(
-                    listen=self.listen,
-                    per_peer=self._per_peer,
-                    total=self._max_connections,
-                    on_refused=self.intake.refuse_connection,
-                )
-            # Behind the gate, grpc listens where only the gate reaches.
-            address = f"unix:{gate.target}" if gate is not None else self.listen
-            if self._tls is None:
-                if not is_loopback(self.listen):
-                    log.warning("fault intake without TLS: tokens cross the network in clear")
-                port = server.add_insecure_port(address)
-            else:
-                self.certificate = ReloadingCertificate(*self._tls)
-                port = server.add_secure_port(address, self.certificate.credentials())
-            if gate is not None and port:
-                port = gate.port
-        except (OSError, RuntimeError, CertificateError, ValueError) as exc:
-            if gate is not None:
-                gate.stop()
-            executor.shutdown(wait=False)
-            msg = f"cannot serve the fault intake on {self.listen}: {exc}"
-            raise IntakeError(msg) from None
-        if not port:
-            if gate is not None:
-                gate.stop()
-            executor.shutdown(wait=False)
-            msg = f"cannot serve the fault intake on {self.listen}"
-            raise IntakeError(msg)
-        server.start()
-        if gate is not None:
-            gate.start()
-        self.trimmer.start()
-        self._server, self._executor, self.port, self.gate = server, executor, port, gate
-        log.info("fault intake serving", listen=self.listen, port=port, tls=self._tls is not None)
-
-    def stop(self, grace: float = 1.0) -> None:
-        """Stop serving (at most `grace` seconds for the calls in hand); called twice, from two
-        threads even, it stops once."""
-        server, self._server = self._server, None
-        executor, self._executor = self._executor, None
-        gate, self.gate = self.gate, None
-        if server is not None:
-            server.stop(grace).wait()
-        if gate is not None:
-            gate.stop()  # after grpc's grace: the calls in hand go on through it
-        if executor is not None:
-            executor.shutdown(wait=True, cancel_futures=True)
-        self.trimmer.stop()
 
 
 def _abort(context: Any, code: grpc.StatusCode, details: str) -> NoReturn:

@@ -15,11 +15,12 @@ from kubernetes import client
 from edl_agent.faults.model import Fault
 from edl_agent.restarter.adapters.actuator import GROUP, PLURAL, VERSION, Actuator
 from edl_agent.restarter.adapters.events import EventWriter
-from edl_agent.restarter.adapters.watchers import ClusterWatcher, ListWatch
+from edl_agent.restarter.adapters.list_watch import ListWatch
+from edl_agent.restarter.adapters.watchers import ClusterWatcher
 from edl_agent.restarter.core.controller import Controller
 from edl_agent.restarter.core.metrics import RestarterMetrics
 from edl_agent.restarter.core.settings import ControllerSettings
-from edl_agent.runtime.supervisor import Part, Watched
+from edl_agent.runtime.supervisor import Part
 
 
 class PolicyWatch:
@@ -55,7 +56,7 @@ class PolicyWatch:
 
     def parts(self) -> list[Part]:
         """One supervised part per watch, ready once listed."""
-        return [Watched(w.name, w, is_ready=w.synced.is_set) for w in self._watches]
+        return list(self._watches)
 
     def stop(self) -> None:
         for watch in self._watches:
@@ -79,8 +80,8 @@ def connect(
 ) -> Controller:
     """A Controller on the API server `api`: pods and nodes (in `namespaces`, or all) watched
     for faults, policies watched, pods replaced by the `Actuator` (keeping labels but
-    `drop_labels`). `settings`: the controller's tunables (the node-grace round among them);
-    `options` go to `Controller` (storm, storm_object, clock, ...)."""
+    `drop_labels`). `settings`: the controller's tunables; `options` go to `Controller` (storm,
+    storm_object, clock, ...)."""
     settings = settings or ControllerSettings()
     namespaces = list(namespaces)
     metrics = metrics or RestarterMetrics()
@@ -89,12 +90,15 @@ def connect(
     def submit(fault: Fault) -> None:  # the controller is made after its watcher
         controllers[0].submit(fault)
 
+    def nodes_changed() -> None:
+        controllers[0].nodes_changed()
+
     watcher = ClusterWatcher(
         api,
         on_fault=submit,
         namespaces=namespaces,
         node_grace=node_grace,
-        grace_tick=settings.node_grace_tick_seconds,
+        on_nodes=nodes_changed,
     )
     actuator = Actuator(
         api,

@@ -1,7 +1,5 @@
-"""The restarter's own eyes: list+watch Pods and Nodes and turn what they show into Faults.
-
-`ListWatch` keeps one resource's list-then-watch loop alive in a thread: a 410 Gone (too old a
-resourceVersion) re-lists, any other failure retries after a backoff (1 s doubling to 30 s).
+"""The restarter's own eyes: list+watch Pods and Nodes (`list_watch.ListWatch`) and turn what
+they show into Faults.
 
 `ClusterWatcher` caches pods (and keeps the last state of deleted ones for a while, so the
 controller can still read a force-deleted pod's labels) and derives faults (source "restarter")
@@ -22,9 +20,10 @@ deleted itself (its DisruptionTarget condition of reason `DISRUPTION_REASON`, th
 `DELETED_BY_ANNOTATION` of earlier versions, or a uid passed to `ignore_uid`) give no
 faults.
 
-`ClusterWatcher.parts()` are supervised parts: each watch (watched through `Watched`, ready once
-listed, its thread's end told at once) and the node-grace ticker (`NodeGraceTicker`), which
-faults the pods of nodes NotReady past the grace every `controller.node_grace_tick_seconds`.
+`ClusterWatcher.parts()` are supervised parts: each watch (ready once listed) and the node-grace
+ticker (`node_grace.NodeGraceTicker`), which faults the pods of a NotReady node the moment its
+grace ends. What the node watch shows is kept by `nodes.Nodes` (`ClusterWatcher.nodes`); node
+changes are told to `on_nodes` (the controller's storm guard looks again).
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ import functools
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -52,9 +50,10 @@ from edl_agent.faults.pod_faults import (
     pod_ref,
     terminated_phase,
 )
-from edl_agent.kube import call_json, watch_events
 from edl_agent.kube_objects import object_version, version_number
-from edl_agent.kube_watch import WatchLoop
+from edl_agent.restarter.adapters.list_watch import Lister, ListWatch
+from edl_agent.restarter.adapters.node_grace import NodeGraceTicker
+from edl_agent.restarter.adapters.nodes import Nodes
 from edl_agent.restarter.core.pod_cache import is_whole, slim_pod
 from edl_agent.restarter.core.replacement import (
     DELETED_BY_ANNOTATION,
@@ -62,13 +61,10 @@ from edl_agent.restarter.core.replacement import (
     RESTARTER,
 )
 from edl_agent.runtime.bounded import BoundedMap, BoundedSet
-from edl_agent.runtime.supervisor import Part, Watched
+from edl_agent.runtime.supervisor import Part
 
 log = structlog.get_logger(__name__)
 
-WATCH_TIMEOUT = 300
-MAX_RETRY_DELAY = 30.0
-LIST_PAGE = 500
 KEEP_WHOLE = 1024
 KEEP_DELETED = 2048
 KEEP_IDS = 100_000
@@ -79,90 +75,9 @@ __all__ = [
     "REPLACES_UID_ANNOTATION",
     "RESTARTER",
     "ClusterWatcher",
-    "ListWatch",
     "deleted_by_us",
-    "is_not_ready",
     "pod_ref",
 ]
-
-Lister = Callable[..., Any]
-
-
-class ListWatch(WatchLoop):
-    """List, then watch from the list's resourceVersion, forever (until `stop`): a `WatchLoop`
-    whose retries back off from 1 s, doubling, to 30 s, and which lists again after a 410.
-
-    `list_call(**kwargs)` is a kubernetes client list method bound to its namespace (or cluster
-    wide); `on_list(items)` gets every full list, `on_event(type, object)` each watch event."""
-
-    restart_after_crash = True
-
-    def __init__(
-        self,
-        name: str,
-        list_call: Lister,
-        *,
-        on_list: Callable[[list[dict[str, Any]]], None],
-        on_event: Callable[[str, dict[str, Any]], None],
-        shrink: Callable[[dict[str, Any]], dict[str, Any]] = lambda item: item,
-    ) -> None:
-        self.name = f"watch-{name}"
-        super().__init__(log_context={})
-        self._shrink = shrink
-        self.version: str | None = None
-        """The resourceVersion of the last list or event handled."""
-        self.replay_from: str | None = None
-        """Set before `start`: after the first list, watch from this older version instead
-        of the list's, so that what happened meanwhile (a deletion, say) is seen as events."""
-        self._list_call = list_call
-        self._on_list = on_list
-        self._on_event = on_event
-        self.synced = threading.Event()
-
-    def _list(self) -> str | None:
-        """List in pages, each item passed through `shrink` as it comes, so that a list of
-        many big objects never sits in memory whole."""
-        items: list[dict[str, Any]] = []
-        version: str | None = None
-        token: str | None = None
-        while True:
-            page = call_json(
-                self._list_call, limit=LIST_PAGE, **({"_continue": token} if token else {})
-            )
-            meta = page.get("metadata") or {}
-            version = version or str(meta.get("resourceVersion") or "") or None
-            items.extend(self._shrink(item) for item in page.get("items") or [])
-            del page
-            token = meta.get("continue") or None
-            if token is None:
-                break
-        self._on_list(items)
-        replay, self.replay_from = self.replay_from, None
-        if replay and version and version_number(replay) < version_number(version):
-            log.info("replaying events since an earlier version", watch=self.name, since=replay)
-            version = replay  # handled from here on, as the replayed events come
-        self.version = version
-        self.synced.set()
-        return version
-
-    def _watch(self, version: str | None) -> str | None:
-        for kind, obj in watch_events(
-            self._list_call,
-            resource_version=version,
-            timeout_seconds=WATCH_TIMEOUT,
-            opened=self._opened,
-        ):
-            version = (obj.get("metadata") or {}).get("resourceVersion") or version
-            if kind != "BOOKMARK":
-                self._on_event(kind, obj)
-            self.version = version
-        return version
-
-    def _retry_delay(self, failures_in_row: int) -> float:
-        return min(2.0 ** (failures_in_row - 1), MAX_RETRY_DELAY)
-
-
-OUT_OF_SERVICE_TAINT = "node.kubernetes.io/out-of-service"
 
 
 def deleted_by_us(pod: Mapping[str, Any]) -> bool:
@@ -178,26 +93,6 @@ def deleted_by_us(pod: Mapping[str, Any]) -> bool:
     )
 
 
-def is_out_of_service(node: Mapping[str, Any]) -> bool:
-    """The node carries the `node.kubernetes.io/out-of-service` taint (any effect): an operator
-    has said it is down, and what ran there runs no more (Kubernetes' non-graceful shutdown)."""
-    taints = (node.get("spec") or {}).get("taints") or []
-    return any(t.get("key") == OUT_OF_SERVICE_TAINT for t in taints)
-
-
-def is_not_ready(node: Mapping[str, Any]) -> bool:
-    """The node's Ready condition is False or Unknown (a node without one is taken as Ready).
-
-    When it turned so is not read from the condition: `lastTransitionTime` is the node's own
-    clock, and KWOK, say, dates it to the node's creation, so a pod that landed on the node
-    after it would look older than its own fault. The grace runs on the restarter's clock from
-    when it first saw the node NotReady."""
-    for cond in (node.get("status") or {}).get("conditions") or []:
-        if cond.get("type") == "Ready":
-            return bool(cond.get("status") != "True")
-    return False
-
-
 class ClusterWatcher:
     """Pods (in `namespaces`, or all) and Nodes, turned into faults for `on_fault`."""
 
@@ -208,13 +103,13 @@ class ClusterWatcher:
         on_fault: Callable[[Fault], None],
         namespaces: Iterable[str] = (),
         node_grace: float = 40.0,
-        grace_tick: float = 0.5,
+        on_nodes: Callable[[], None] = lambda: None,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
-        """`grace_tick`: how often NotReady nodes are checked against `node_grace`."""
+        """`on_nodes()` is called when a node's readiness changes, or a node comes or goes."""
         self._on_fault = on_fault
-        self._node_grace = node_grace
-        self._grace_tick = grace_tick
+        self.nodes = Nodes(grace=node_grace, clock=clock, on_change=on_nodes)
+        self._grace_tick = self.nodes.grace_tick  # what the node-grace ticker waits for
         self._clock = clock
         self._lock = threading.Lock()
         self._pods: dict[str, dict[str, Any]] = {}  # uid → pod
@@ -229,9 +124,6 @@ class ClusterWatcher:
         self._whole: BoundedMap[str, dict[str, Any]] = BoundedMap(KEEP_WHOLE)
         # old pod uid → its replacement's uid (the replacement's REPLACES_UID_ANNOTATION)
         self._replacers: BoundedMap[str, str] = BoundedMap(KEEP_IDS)
-        self._not_ready: dict[str, datetime] = {}  # node → since
-        self._nodes: set[str] = set()
-        self._out_of_service: set[str] = set()  # tainted node.kubernetes.io/out-of-service
         core: Any = client.CoreV1Api(api)
         self._watches: list[ListWatch] = []
         scopes: list[str | None] = [*namespaces] or [None]
@@ -252,15 +144,14 @@ class ClusterWatcher:
             )
         self._pod_watches = list(self._watches)
         self._watches.append(
-            ListWatch("nodes", core.list_node, on_list=self.nodes_listed, on_event=self.node_event)
+            ListWatch("nodes", core.list_node, on_list=self.nodes.listed, on_event=self.nodes.event)
         )
 
     # --- lifecycle -----------------------------------------------------------------------
 
     def parts(self) -> list[Part]:
         """The supervised parts: each watch (ready once listed), and the node-grace ticker."""
-        watched: list[Part] = [Watched(w.name, w, is_ready=w.synced.is_set) for w in self._watches]
-        return [*watched, NodeGraceTicker(self.check_grace, self._grace_tick)]
+        return [*self._watches, NodeGraceTicker(self.check_grace, self._grace_tick)]
 
     def wait_synced(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -270,6 +161,11 @@ class ClusterWatcher:
         """End the watches' threads (their parts end with the supervisor's stop)."""
         for watch in self._watches:
             watch.stop()
+
+    def wake(self) -> None:
+        """Have the node-grace ticker look now whether a grace has ended (a test's clock
+        moved)."""
+        self._grace_tick.wakeup.wake()
 
     # --- what the controller asks --------------------------------------------------------
 
@@ -297,19 +193,16 @@ class ClusterWatcher:
             return [p for p in self._pods.values() if pod_node(p) == node]
 
     def node_not_ready(self, node: str) -> bool:
-        with self._lock:
-            return node in self._not_ready
+        return self.nodes.not_ready(node)
 
     def node_gone(self, node: str) -> bool:
         """The node is known gone: deleted (not among the nodes listed and watched), or tainted
         `node.kubernetes.io/out-of-service` (an operator's word that it is down)."""
-        with self._lock:
-            return node not in self._nodes or node in self._out_of_service
+        return self.nodes.gone(node)
 
     def node_counts(self) -> tuple[int, int]:
         """(NotReady, all) nodes as the watch shows them now."""
-        with self._lock:
-            return len(self._not_ready), len(self._nodes)
+        return self.nodes.counts()
 
     def replay_pods_from(self, version: str | None) -> None:
         """Before `start`: see the pod events since `version` (an earlier leader's checkpoint)
@@ -403,6 +296,8 @@ class ClusterWatcher:
                 return
         if deleted_by_us(pod):
             return
+        if not deleted and self._grace_tick.is_past(pod_node(pod)):
+            self._grace_tick.wakeup.wake()  # on a node past its grace: its fault is due now
         now = self._clock()
         faults = container_exit_faults(pod, now=now, source=SOURCE)
         evicted = eviction_fault(pod, now=now, source=SOURCE)
@@ -422,61 +317,31 @@ class ClusterWatcher:
 
     # --- nodes ---------------------------------------------------------------------------
 
-    def nodes_listed(self, items: list[dict[str, Any]]) -> None:
-        listed = {str((n.get("metadata") or {}).get("name", "")) for n in items}
-        with self._lock:
-            # A re-list keeps when a node still NotReady was first seen so: its grace goes on.
-            self._not_ready = {n: s for n, s in self._not_ready.items() if n in listed}
-            self._nodes.clear()
-            self._out_of_service.clear()
-        for node in items:
-            self.node_event("ADDED", node)
-
-    def node_event(self, kind: str, node: dict[str, Any]) -> None:
-        name = str((node.get("metadata") or {}).get("name", ""))
-        not_ready = kind != "DELETED" and is_not_ready(node)
-        out_of_service = kind != "DELETED" and is_out_of_service(node)
-        with self._lock:
-            if kind == "DELETED":
-                self._nodes.discard(name)
-            else:
-                self._nodes.add(name)
-            if out_of_service:
-                self._out_of_service.add(name)
-            else:
-                self._out_of_service.discard(name)
-            if not_ready:
-                self._not_ready.setdefault(name, self._clock())
-            else:
-                self._not_ready.pop(name, None)
-
     def check_grace(self) -> None:
-        """Fault every pod on a node NotReady for longer than the grace (the ticker's round)."""
-        now = self._clock()
+        """Fault every pod on a node NotReady past its grace (the ticker's round)."""
+        since = self.nodes.past_grace()
+        if not since:
+            return
         with self._lock:
-            due = [
-                (n, s)
-                for n, s in self._not_ready.items()
-                if (now - s).total_seconds() >= self._node_grace
-            ]
-        for node, since in due:
-            spell = Fault(
-                id=node_not_ready_id(node, since),
-                kind=FaultKind.NODE_NOT_READY,
-                node=node,
-                observed_at=since,
-                detail=f"not Ready since {since.isoformat()}",
-                source=SOURCE,
-            )
-            with self._lock:
-                pods = [
-                    p
-                    for p in self._pods.values()
-                    if pod_node(p) == node
+            on: dict[str, list[dict[str, Any]]] = {}
+            for p in self._pods.values():
+                node = pod_node(p)
+                if (
+                    node in since
                     and not terminated_phase(p)
                     and not deleted_by_us(p)
                     and pod_ref(p).uid not in self._ignored
-                ]
+                ):
+                    on.setdefault(node, []).append(p)
+        for node, pods in on.items():
+            spell = Fault(
+                id=node_not_ready_id(node, since[node]),
+                kind=FaultKind.NODE_NOT_READY,
+                node=node,
+                observed_at=since[node],
+                detail=f"not Ready since {since[node].isoformat()}",
+                source=SOURCE,
+            )
             for fault in per_pod_faults(spell, pods):
                 self._emit(fault)
 
@@ -498,18 +363,3 @@ def _bind(method: Lister, namespace: str) -> Lister:
         return method(namespace, **kwargs)
 
     return call
-
-
-@dataclass
-class NodeGraceTicker:
-    """The part that faults the pods of nodes NotReady past the grace, every `interval`
-    seconds. A round that raises kills the part; the supervisor runs it again."""
-
-    check: Callable[[], None]
-    interval: float
-    name: str = "node-grace"
-
-    def run(self, stop: threading.Event, ready: Callable[[], None]) -> None:
-        ready()
-        while not stop.wait(self.interval):
-            self.check()

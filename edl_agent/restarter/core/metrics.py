@@ -11,7 +11,8 @@ edl_restarter_intake_refusals_total{reason}       reports refused (token, accoun
 edl_restarter_intake_trimmed_total{field}         faults cut to the intake's bounds, or dated
                                                   ahead of its clock (field observed_at)
 edl_restarter_queue_depth                         faults waiting for or in a decision
-edl_restarter_dispatcher_round_timestamp_seconds  the dispatcher's last round (due backoffs, storm)
+edl_restarter_dispatcher_round_timestamp_seconds  the dispatcher's last round (faults, due
+                                                  backoffs, storm guard, recorded restarts)
 edl_restarter_leader                              1 while this replica leads
 edl_restarter_storm_paused                        1 while the storm guard holds restarts
 edl_restarter_nodes_not_ready                     NotReady nodes the watch sees
@@ -93,9 +94,10 @@ class RestarterMetrics:
         )
         self.dispatcher_round = Gauge(
             "edl_restarter_dispatcher_round_timestamp_seconds",
-            "When the dispatcher last looked at the storm guard and the backoffs due (Unix time, "
-            "by the restarter's clock): it stands still while faults keep the dispatcher busy, "
-            "or while the dispatcher is down.",
+            "When the dispatcher last ran a round (Unix time, by the restarter's clock): faults "
+            "taken in, the storm guard's news, backoffs due, the recorded restarts looked at "
+            "again. It runs one only for a reason: it stands still while nothing comes and "
+            "nothing is due, and while the dispatcher is down.",
             registry=r,
         )
         self.leader = Gauge(

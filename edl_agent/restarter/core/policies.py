@@ -42,8 +42,12 @@ class PolicyCache:
         *,
         clock: Callable[[], datetime],
         monotonic: Callable[[], float] = time.monotonic,
+        on_pending: Callable[[], None] = lambda: None,
     ) -> None:
+        """`on_pending()` is called when a policy with pending restarts is seen while none had
+        any (the dispatcher looks at them again from then on, until none has any)."""
         self._port = port
+        self._on_pending = on_pending
         self._clock = clock
         self._monotonic = monotonic
         self._lock = threading.Lock()
@@ -51,6 +55,7 @@ class PolicyCache:
         self._index = PolicyIndex()
         self._latest: dict[Key, dict[str, Any]] = {}
         self._last_write: dict[Key, float] = {}  # monotonic
+        self._pending: set[Key] = set()  # those of `_latest` with pending restarts
 
     # --- what the policy watch tells ---------------------------------------------------------
 
@@ -85,6 +90,7 @@ class PolicyCache:
         self._policies.pop(key, None)
         self._index.remove(*key)
         self._latest.pop(key, None)
+        self._pending.discard(key)
 
     # --- what the deciders and the dispatcher ask -------------------------------------------
 
@@ -100,7 +106,11 @@ class PolicyCache:
 
     def with_pending_restarts(self) -> list[dict[str, Any]]:
         with self._lock:
-            return [o for o in self._latest.values() if _has_pending(o)]
+            return [self._latest[key] for key in sorted(self._pending)]
+
+    def has_pending_restarts(self) -> bool:
+        with self._lock:
+            return bool(self._pending)
 
     def quiet_for(self, key: Key) -> float:
         """Seconds since our last status write to the policy (since ever: a large number)."""
@@ -112,8 +122,17 @@ class PolicyCache:
         key = key_of(obj)
         with self._lock:
             old = self._latest.get(key)
-            if old is None or object_version(old) <= object_version(obj):
-                self._latest[key] = dict(obj)
+            if old is not None and object_version(old) > object_version(obj):
+                return
+            self._latest[key] = dict(obj)
+            first = not self._pending
+            if _has_pending(obj):
+                self._pending.add(key)
+            else:
+                self._pending.discard(key)
+            told = first and bool(self._pending)
+        if told:
+            self._on_pending()
 
     def written(self, obj: Mapping[str, Any]) -> None:
         """A policy as our own status write returned it."""

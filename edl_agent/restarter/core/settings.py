@@ -40,6 +40,8 @@ MAX_LEASE_SECONDS = 3600.0  # client-go's default is 15 s; an hour without a lea
 MAX_STORM_MIN_NODES = 1_000_000
 MAX_COUNT = 1_000_000
 MAX_TUNING_SECONDS = 86400.0
+# `controller` settings kept so that a file or a flag that sets them still loads; they do nothing.
+OBSOLETE = ("tick_seconds", "node_grace_tick_seconds")
 
 # Labels that a controller or tool stamps on one particular pod. A replacement is a bare pod of
 # its own (a controller-owned pod is only deleted, for its owner to recreate), so it must not
@@ -241,11 +243,14 @@ class ControllerSettings:
     )
     tick_seconds: float = setting(
         0.2,
-        "The dispatcher's round when no fault comes: due backoffs, the storm guard. Short: a "
-        "backoff is carried out this late at most.",
+        "No longer used (accepted, checked, ignored): the dispatcher runs a round when a fault "
+        "comes, a node changes or something falls due (a backoff, `check_every_seconds`), "
+        "never on a tick.",
     )
     check_every_seconds: float = setting(
-        2.0, "How often recorded restarts are looked at again (carried out again, tidied)."
+        2.0,
+        "How often recorded restarts are looked at again (carried out again, tidied), while "
+        "some policy has any pending.",
     )
     resume_after_seconds: float = setting(
         10.0,
@@ -266,7 +271,9 @@ class ControllerSettings:
         4096, "Templates of gone pods kept in memory (the policies' status holds them too)."
     )
     node_grace_tick_seconds: float = setting(
-        0.5, "How often NotReady nodes are checked against `node_grace_seconds`."
+        0.5,
+        "No longer used (accepted, checked, ignored): a NotReady node's pods fault the moment "
+        "its `node_grace_seconds` ends, never on a tick.",
     )
     part_backoff_seconds: float = setting(
         0.5, "First wait before a part that died (a watch, a decider) is run again; doubles."
@@ -274,6 +281,11 @@ class ControllerSettings:
     part_backoff_max_seconds: float = setting(
         30.0, "Longest wait before a part that died is run again."
     )
+
+    def obsolete(self) -> list[str]:
+        """The settings given that no longer do anything (to say so in the log)."""
+        defaults = ControllerSettings()
+        return [key for key in OBSOLETE if getattr(self, key) != getattr(defaults, key)]
 
     def check(self) -> None:
         for key in ("workers", "batch", "decide_attempts", "keep_templates"):
