@@ -1,6 +1,6 @@
 """The `quiet-periods` part: ends a `quiet` condition when its device has been quiet for
 `health.quiet_seconds`. It sleeps until the earliest quiet period ends, or until the health hub
-opens or renews one (its subscription), and for `idle_seconds` when none is open."""
+opens or renews one (its subscription); with none open, until the hub opens one."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from collections.abc import Callable
 
 from edl_agent.health.hub import HealthChange, HealthHub
 
-IDLE_SECONDS = 300.0
 # The shortest wait for a quiet period's end (one already due is expired in this round).
 MIN_WAIT_SECONDS = 0.01
 
@@ -27,13 +26,11 @@ class QuietPeriods:
         hub: HealthHub,
         wake: threading.Event,
         *,
-        idle_seconds: float = IDLE_SECONDS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._hub = hub
         self._wake = wake
         self._subscription = hub.subscribe(wake, _quiet)
-        self.idle_seconds = idle_seconds
         self._clock = clock
 
     def run(self, stop: threading.Event, ready: Callable[[], None]) -> None:
@@ -44,9 +41,10 @@ class QuietPeriods:
             self._wake.wait(self.next_wait())
             self._wake.clear()
 
-    def next_wait(self) -> float:
-        """Seconds until the earliest quiet period ends (`idle_seconds` when none is open)."""
+    def next_wait(self) -> float | None:
+        """Seconds until the earliest quiet period ends; None when none is open (nothing ends by
+        time alone: only the hub's news wakes the part)."""
         end = self._hub.next_quiet_end()
         if end is None:
-            return self.idle_seconds
-        return min(self.idle_seconds, max(end - self._clock(), MIN_WAIT_SECONDS))
+            return None
+        return max(end - self._clock(), MIN_WAIT_SECONDS)

@@ -53,6 +53,10 @@ class ResetEvidence:
             self._wake.wait(max(self._interval(), MIN_INTERVAL_SECONDS) if waiting else None)
             self._wake.clear()
 
+    def look_now(self) -> None:
+        """Read the marks again at once (a round that begins after this call)."""
+        self._wake.set()
+
     def check(self) -> bool:
         """Look for evidence that quarantined NVIDIA devices were reset (NVML); a device just
         quarantined gets its baseline. True while a device waits for a reset."""
