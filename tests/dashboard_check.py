@@ -15,7 +15,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 import urllib.parse
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from edl_agent.sim.tree import build_tree
 from tests.kubelet_standin import KubeletStandIn
 from tests.podresources_standin import PodResourcesStandIn
 from tests.prometheus_runner import Prometheus, free_port, get, wait_until_serving
-from tests.waiting import wait_until
+from tests.waiting import WaitTimeout, wait_for, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 DASHBOARD = REPO / "deploy" / "grafana" / "edl-agent.json"
@@ -277,20 +276,29 @@ def wait_for_series(
     checked = list(checked)
     names = sorted({name for query in checked for name in query.metrics})
     wait_until(lambda: _ready(prometheus), what="Prometheus to serve", timeout=60, poll=0.2)
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def look() -> tuple[dict[Query, list[dict[str, Any]]], list[str], list[str]]:
         answers = {query: instant(prometheus, query.promql) for query in checked}
         absent = [name for name in names if not instant(prometheus, f"count({name})")]
         empty = [str(query) for query, series in answers.items() if not series]
-        if not absent and not empty:
-            return answers
-        if time.monotonic() > deadline:
-            pytest.fail(
-                f"after {timeout:.0f}s, metrics without series: {absent}; "
-                "queries without series:\n  " + "\n  ".join(empty),
-                pytrace=False,
-            )
-        time.sleep(0.5)
+        return answers, absent, empty
+
+    try:
+        answers, _, _ = wait_for(
+            "every query and metric to have series",
+            look,
+            lambda found: not found[1] and not found[2],
+            timeout=timeout,
+            poll=0.5,
+        )
+    except WaitTimeout:
+        _, absent, empty = look()
+        pytest.fail(
+            f"after {timeout:.0f}s, metrics without series: {absent}; "
+            "queries without series:\n  " + "\n  ".join(empty),
+            pytrace=False,
+        )
+    return answers
 
 
 # --- a simulated agent --------------------------------------------------------------------------
