@@ -79,7 +79,12 @@ def attribute(
 
 
 class PodResourcesClient:
-    """Calls `List` on kubelet's pod-resources socket, keeping one channel while it works."""
+    """Calls `List` on kubelet's pod-resources socket, on a channel of its own each time.
+
+    A connected gRPC channel keeps gRPC core's threads waking (about 5 times a second) whether it
+    is used or not, and the callers are rare (a scrape, a fault, a reset): a connection over a
+    unix socket per call costs less than holding one, and a kubelet that re-created its socket is
+    reached at its new one without asking."""
 
     def __init__(
         self,
@@ -89,12 +94,7 @@ class PodResourcesClient:
     ) -> None:
         self.socket_path = Path(socket_path)
         self.timeout = timeout
-        # Held across the call too: scrapes are rare, and one caller must not close the channel
-        # another is using when kubelet's socket is replaced.
-        self._lock = threading.Lock()
-        self._channel: grpc.Channel | None = None
-        self._stub: api_pb2_grpc.PodResourcesListerStub | None = None
-        self._identity: tuple[int, int] | None = None
+        self._lock = threading.Lock()  # one call at a time, and one report of each problem
         self._problem: str | None = None
         self._log = structlog.get_logger().bind(socket=str(self.socket_path))
 
@@ -113,7 +113,6 @@ class PodResourcesClient:
             try:
                 response = self._list()
             except Exception as exc:  # a scrape must never fail on attribution
-                self._drop_channel()
                 self._report(_describe(exc))
                 return None
             if response is None:
@@ -125,34 +124,17 @@ class PodResourcesClient:
         return attribute(response, units, claimable)
 
     def close(self) -> None:
-        with self._lock:
-            self._drop_channel()
+        """Nothing is held between calls; kept for the callers that close what they made."""
 
     def _list(self) -> api_pb2.ListPodResourcesResponse | None:
-        try:
-            stat = self.socket_path.stat()
-        except FileNotFoundError:
-            self._drop_channel()
+        if not self.socket_path.exists():
             return None
-        # Kubelet re-creates its socket when it restarts; a channel to the old one would sit in
-        # reconnect backoff, so a new socket gets a new channel.
-        identity = (stat.st_dev, stat.st_ino)
-        if self._stub is None or identity != self._identity:
-            self._drop_channel()
-            self._channel = grpc.insecure_channel(f"unix://{self.socket_path}")
-            self._stub = api_pb2_grpc.PodResourcesListerStub(self._channel)  # type: ignore[no-untyped-call]
-            self._identity = identity
-        response: api_pb2.ListPodResourcesResponse = self._stub.List(
-            api_pb2.ListPodResourcesRequest(), timeout=self.timeout
-        )
+        with grpc.insecure_channel(f"unix://{self.socket_path}") as channel:
+            stub = api_pb2_grpc.PodResourcesListerStub(channel)  # type: ignore[no-untyped-call]
+            response: api_pb2.ListPodResourcesResponse = stub.List(
+                api_pb2.ListPodResourcesRequest(), timeout=self.timeout
+            )
         return response
-
-    def _drop_channel(self) -> None:
-        if self._channel is not None:
-            self._channel.close()
-        self._channel = None
-        self._stub = None
-        self._identity = None
 
     def _report(self, problem: str) -> None:
         if problem != self._problem:
