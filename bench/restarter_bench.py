@@ -21,6 +21,7 @@ Prints one `name value unit` line per figure; progress goes to stderr. --quick: 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
@@ -289,7 +290,9 @@ class Watch:
 
     def close(self) -> None:
         for response in self._responses:
-            (getattr(response, "shutdown", None) or response.close)()
+            # A stream whose connection already ended has no socket left to shut (EBADF).
+            with contextlib.suppress(OSError):
+                (getattr(response, "shutdown", None) or response.close)()
 
 
 def node_fails(cluster: Cluster, node: str) -> None:
