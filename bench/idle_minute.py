@@ -407,14 +407,15 @@ def waits(calls: list[Call], start: float, end: float) -> Waits:
 # --- the audit log -------------------------------------------------------------------------
 
 
-def audit_requests(path: Path, start: float, end: float) -> Counter[str]:
-    """The agent's requests received within [start, end) (epoch seconds), by verb and resource."""
+def audit_requests(path: Path, start: float, end: float, user: str = AGENT_USER) -> Counter[str]:
+    """`user`'s requests received within [start, end) (epoch seconds), by verb and resource
+    (and subresource)."""
     found: Counter[str] = Counter()
     with contextlib.suppress(OSError), path.open() as lines:
         for line in lines:
             with contextlib.suppress(ValueError, KeyError):
                 event = json.loads(line)
-                if event.get("user", {}).get("username") != AGENT_USER:
+                if event.get("user", {}).get("username") != user:
                     continue
                 at = datetime.datetime.fromisoformat(event["requestReceivedTimestamp"])
                 if not start <= at.timestamp() < end:
@@ -427,9 +428,10 @@ def audit_requests(path: Path, start: float, end: float) -> Counter[str]:
     return found
 
 
-def with_audit(policy: Path, audit_log: Path) -> None:
-    """The API server of the next testcluster.start() writes its audit log."""
-    policy.write_text(yaml.safe_dump(AUDIT_POLICY))
+def with_audit(policy: Path, audit_log: Path, rules: dict[str, Any] = AUDIT_POLICY) -> None:
+    """The API server of the next testcluster.start() writes its audit log (`rules`: the
+    audit policy, by default the agent's requests)."""
+    policy.write_text(yaml.safe_dump(rules))
     flags = [f"--audit-policy-file={policy}", f"--audit-log-path={audit_log}"]
     argv = testcluster._apiserver_argv
 

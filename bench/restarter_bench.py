@@ -127,34 +127,37 @@ def make_policies(cluster: Cluster, jobs: int) -> None:
         }
 
     def create(job: str) -> Callable[[], object]:
-        def call() -> object:
-            for _ in range(50):  # the CRD's REST mapping can lag its Established condition
-                try:
-                    return cluster.raw(
-                        cluster.objects.create_namespaced_custom_object,
-                        GROUP,
-                        VERSION,
-                        NAMESPACE,
-                        PLURAL,
-                        policy(job),
-                    )
-                except client.exceptions.ApiException as exc:
-                    if exc.status != 404:
-                        raise
-                    time.sleep(0.2)
-            raise SystemExit("the FaultTolerancePolicy CRD never became usable")
-
-        return call
+        return lambda: create_policy(cluster, NAMESPACE, policy(job))
 
     cluster.parallel([create(job_name(i)) for i in range(jobs)], "policies created")
+
+
+def create_policy(cluster: Cluster, namespace: str, body: dict[str, Any]) -> object:
+    """Create a FaultTolerancePolicy; again while the CRD's REST mapping still lags its
+    Established condition."""
+    for _ in range(50):
+        try:
+            return cluster.raw(
+                cluster.objects.create_namespaced_custom_object,
+                GROUP,
+                VERSION,
+                namespace,
+                PLURAL,
+                body,
+            )
+        except client.exceptions.ApiException as exc:
+            if exc.status != 404:
+                raise
+            time.sleep(0.2)
+    raise SystemExit("the FaultTolerancePolicy CRD never became usable")
 
 
 def job_name(job: int) -> str:
     return f"job{job:05d}"
 
 
-def make_nodes(cluster: Cluster, count: int) -> list[str]:
-    names = [f"kwok-node-{i:04d}" for i in range(count)]
+def make_nodes(cluster: Cluster, count: int, pattern: str = "kwok-node-{:04d}") -> list[str]:
+    names = [pattern.format(i) for i in range(count)]
 
     def create(name: str) -> Callable[[], object]:
         resources = {"cpu": "96", "memory": "1Ti", "pods": "110", "nvidia.com/gpu": "8"}

@@ -27,7 +27,7 @@ def format_time(moment: datetime) -> str:
 
 def format_micro_time(moment: datetime) -> str:
     """MicroTime (Leases, Events, our status records): `2026-05-01T12:00:00.000000Z`."""
-    return _utc(moment).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return _utc(moment).replace(tzinfo=None).isoformat(timespec="microseconds") + "Z"
 
 
 def _utc(moment: datetime) -> datetime:

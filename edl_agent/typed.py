@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 import re
 import types
@@ -46,8 +47,7 @@ def build(cls: type[T], data: Any, where: str = "") -> T:
     """
     if not isinstance(data, Mapping):
         raise SchemaError(where, f"expected a mapping, got {_describe(data)}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    hints, fields = _schema(cls)  # type: ignore[arg-type]  # a class is hashable
     unknown = sorted(str(key) for key in data if key not in fields)
     if unknown:
         known = ", ".join(sorted(fields))
@@ -73,6 +73,13 @@ def build(cls: type[T], data: Any, where: str = "") -> T:
                 raise SchemaError(_join(where, key), message) from None
             raise SchemaError(where, str(exc)) from None
     return instance
+
+
+@functools.cache
+def _schema(cls: type) -> tuple[dict[str, Any], dict[str, dataclasses.Field[Any]]]:
+    """A dataclass's resolved type hints and fields, worked out once: resolving the hints is
+    most of the cost of building one (every policy event the restarter sees is built)."""
+    return typing.get_type_hints(cls), {f.name: f for f in dataclasses.fields(cls)}
 
 
 def _convert(hint: Any, value: Any, where: str) -> Any:  # noqa: PLR0911, PLR0912 - one branch per type kind

@@ -102,6 +102,8 @@ class Restarter:
                 listen=intake.listen,
                 tls_cert=Path(intake.tls_cert) if intake.tls_cert else None,
                 tls_key=Path(intake.tls_key) if intake.tls_key else None,
+                workers=intake.workers,
+                max_calls_per_connection=intake.max_calls_per_connection,
                 max_connections=intake.max_connections,
                 max_connections_per_peer=intake.max_connections_per_peer,
                 handshake_timeout=intake.handshake_timeout_seconds,

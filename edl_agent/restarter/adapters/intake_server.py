@@ -1,8 +1,9 @@
 """Serves the fault intake (`intake.FaultIntake`) over gRPC: the listening address, TLS with a
 certificate reloaded when its files change (`server_tls`), grpc core's own limits on connections
-(how many, how long a handshake may take, how long one may idle), and in front of it all a gate
-that caps the connections from one address (`peer_gate`). What grpc core frees after a storm of
-connections goes back to the system (`runtime.heap`)."""
+(how many, how long a handshake may take, how long one may idle, how many calls one may hold),
+and, where asked for, a gate in front of it all that caps the
+connections from one address (`peer_gate`). What grpc core frees after a storm of connections
+goes back to the system (`runtime.heap`)."""
 
 from __future__ import annotations
 
@@ -41,9 +42,10 @@ class IntakeServer:
         listen: str,
         tls_cert: Path | None = None,
         tls_key: Path | None = None,
-        workers: int = 8,
+        workers: int = 64,
+        max_calls_per_connection: int = 16,
         max_connections: int = 8192,
-        max_connections_per_peer: int = 16,
+        max_connections_per_peer: int = 0,
         handshake_timeout: float = 10.0,
         idle_timeout: float = 300.0,
         heap_trim_seconds: float = heap.DEFAULT_INTERVAL_SECONDS,
@@ -60,12 +62,15 @@ class IntakeServer:
         self.gate: PeerGate | None = None
         # grpc core closes a connection that has not finished its handshake in time (one that
         # never starts TLS held its memory for good), refuses those beyond the cap at accept,
-        # and sends an idle one GOAWAY.
+        # sends an idle one GOAWAY, and caps the calls open on one connection. Keepalive pings
+        # are policed by grpc's defaults (a client pinging more often than every 5 minutes
+        # without calls is sent GOAWAY); agents send none.
         self._options: list[tuple[str, int]] = [
             ("grpc.so_reuseport", 0),  # gRPC's default 1 would let a second server share calls
             ("grpc.max_allowed_incoming_connections", max_connections),
             ("grpc.server_handshake_timeout_ms", int(handshake_timeout * 1000)),
             ("grpc.max_connection_idle_ms", int(idle_timeout * 1000)),
+            ("grpc.max_concurrent_streams", max_calls_per_connection),
         ]
         # What grpc core freed after a storm of connections goes back to the system (heap.py).
         self.trimmer = heap.HeapTrimmer(heap_trim_seconds)

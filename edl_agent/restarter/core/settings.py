@@ -92,15 +92,30 @@ class IntakeSettings:
     tls_key: str = setting("", "The intake's TLS key, a PEM file (`--tls-key`).")
     max_connections: int = setting(
         8192,
-        "Connections the intake holds at most (each agent keeps one); more are refused at once. "
-        "Each costs about 20 KiB: the default stays well inside the restarter's 512 MiB.",
+        "Connections the intake holds at most (each agent keeps one; one idle for "
+        "`idle_timeout_seconds` is closed); more are refused at once. Each costs about 50 KiB "
+        "(measured with 5,000 agents): give the restarter memory for as many as it holds.",
     )
     max_connections_per_peer: int = setting(
-        16,
+        0,
         "Connections the intake holds at most from one address (an agent keeps one; its pod's "
-        "address, or its node's where traffic is SNATed); more are closed at once, so that one "
-        "client cannot take `max_connections` from every agent. 0: no cap, and no relay in front "
-        "of grpc (the cap is counted by a relay thread that passes the TLS bytes through).",
+        "address, or its node's where traffic is SNATed); more are closed at once. 0 (the "
+        "default): no cap and no relay; the NetworkPolicy keeps other clients out. Where the "
+        "network plugin does not enforce NetworkPolicy, a cap such as 16 stops one client from "
+        "taking `max_connections` from every agent, at a cost: a relay thread in front of grpc "
+        "counts the connections and passes every TLS byte through (bench/README: the fleet).",
+    )
+    workers: int = setting(
+        64,
+        "Calls the intake works on at once. Each waits until its faults are recorded (the "
+        "policy's status written), so this bounds how many faults of a burst reach the "
+        "deciders together; a waiting call holds a thread, no CPU. The calls beyond it wait "
+        "in grpc's queue until their deadline.",
+    )
+    max_calls_per_connection: int = setting(
+        16,
+        "Calls one connection may have open at once (HTTP/2 streams; an agent sends one at a "
+        "time): one client cannot take every worker over a single connection.",
     )
     handshake_timeout_seconds: float = setting(
         10.0,
@@ -137,6 +152,10 @@ class IntakeSettings:
                 "max_connections_per_peer: expected 0 (no cap) to max_connections "
                 f"({self.max_connections})"
             )
+        if not 1 <= self.workers <= 1024:
+            raise ValueError("workers: expected 1 to 1024")
+        if not 1 <= self.max_calls_per_connection <= 1024:
+            raise ValueError("max_calls_per_connection: expected 1 to 1024")
         for key in ("handshake_timeout_seconds", "idle_timeout_seconds"):
             if not 0 < getattr(self, key) <= 86400:
                 raise ValueError(f"{key}: must be positive and at most 86400")
