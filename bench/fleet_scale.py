@@ -6,17 +6,21 @@ a process of its own).
 
     .venv/bin/python bench/fleet_scale.py [--quick] [--nodes 5000] [--pods 50000] [--jobs 500]
         [--relay on|off] [--steady-seconds 300] [--idle-seconds 600] [--rack 500]
+        [--loads burst,steady,idle,kill,rack] [--set KEY=VALUE ...]
 
-The loads, in this order, each fault naming a pod never faulted before (DeviceUnhealthy from
-the agent on that pod's node, which the policies' OnNodeFail rule restarts):
-  burst    one report from every node, all within one second
-  steady   10 reports a second for --steady-seconds
-  kill     the same steady load, the leader SIGKILLed a third of the way in (its Deployment, here
-           the bench, starts another replica; the standby takes over)
-  rack     --rack nodes NotReady at once with the storm guard at 5 %: held; then all come back
-           but 5 % of the fleet: the storm is over, and the pods of the nodes still down are
-           replaced once, the others never
-  idle     --idle-seconds with every channel open and nothing sent
+The loads, in this order (or those --loads names), each fault naming a pod never faulted before
+(DeviceUnhealthy from the agent on that pod's node, which the policies' OnNodeFail rule
+restarts):
+  burst    one report from every node outside the rack, all within one second
+  steady   --rate (10) reports a second for --steady-seconds
+  idle     --idle-seconds with every channel open at the start and nothing sent (the intake
+           closes connections idle for its idle timeout, 5 minutes)
+  kill     the steady load for --kill-seconds, the leader SIGKILLed a third of the way in (its
+           Deployment, here the bench, starts another replica; the standby takes over)
+  rack     --rack nodes NotReady at once (Ready=Unknown, as the node lifecycle controller
+           posts it) with the storm guard at 5 %: held; then all come back but 5 % of the fleet:
+           the storm is over, and the pods of the nodes still down are replaced once, the others
+           never
 
 Figures (`name value unit` lines; progress on stderr), per load: report → replacement created
 (the report's first send in the agents' process to the replacement's ADDED on the bench's pod
@@ -25,8 +29,9 @@ never replaced) and doubled (replaced more than once, or a pod replaced that was
 Then the restarter's figures: start → ready, failover → the new leader ready, RSS and what the
 pod cache costs per pod, CPU per 1,000 faults, fds, threads, its API requests (the API server's
 audit log, the restarter's service account only) at idle and per fault, TokenReviews per report,
-and etcd's and kube-apiserver's memory. --quick: 500 nodes, 5,000 pods, 50 jobs, short loads
-(about 4 minutes). Needs scripts/k8s-binaries.
+and etcd's and kube-apiserver's memory. The exit status is 1 when a fault was lost or doubled,
+or a pod replaced unasked. --quick: 500 nodes, 5,000 pods, 50 jobs, short loads (about 3
+minutes). Needs scripts/k8s-binaries.
 """
 
 from __future__ import annotations

@@ -231,6 +231,8 @@ REFUSED = [
         "intake.max_connections_per_peer: expected 0 (no cap) to max_connections (8)",
     ),
     ({"intake": {"tls_key": "/k"}}, "intake.tls_cert: must be set with tls_key"),
+    ({"intake": {"workers": 0}}, "intake.workers: expected 1 to 1024"),
+    ({"intake": {"max_calls_per_connection": 2000}}, "intake.max_calls_per_connection: expected"),
     ({"node_grace_seconds": "nan"}, "node_grace_seconds: expected a number"),
     ({"node_grace_seconds": float("nan")}, "node_grace_seconds: expected a finite number"),
     ({"node_grace_seconds": float("inf")}, "node_grace_seconds: expected a finite number"),

@@ -1,9 +1,9 @@
 """Serves the fault intake (`intake.FaultIntake`) over gRPC: the listening address, TLS with a
 certificate reloaded when its files change (`server_tls`), grpc core's own limits on connections
 (how many, how long a handshake may take, how long one may idle, how many calls one may hold),
-and, where asked for, a gate in front of it all that caps the
-connections from one address (`peer_gate`). What grpc core frees after a storm of connections
-goes back to the system (`runtime.heap`)."""
+and, where asked for, a gate in front of it all that caps the connections from one address
+(`peer_gate`). What grpc core frees after a storm of connections goes back to the system
+(`runtime.heap`)."""
 
 from __future__ import annotations
 
