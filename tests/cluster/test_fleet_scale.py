@@ -5,7 +5,8 @@ load, the leader SIGKILLed under load, and a rack of nodes NotReady past the sto
 
 Nothing lost (every faulted pod replaced), nothing doubled (none replaced twice), nothing
 replaced unasked (the rack's returned nodes keep their pods: the storm guard held), every
-report answered, every channel opened. The figures themselves are the benchmark's."""
+report taken (accepted, or a duplicate of one accepted), every channel opened. The figures
+themselves are the benchmark's."""
 
 from __future__ import annotations
 
