@@ -57,7 +57,6 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-import yaml
 from kubernetes import client
 
 REPO = Path(__file__).resolve().parent.parent
@@ -270,20 +269,9 @@ def restarter_kubeconfig(cluster: Cluster, plane: testcluster.ControlPlane, path
         SYSTEM,
         {"spec": {"expirationSeconds": 6 * 3600}},
     )
-    config = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [
-            {
-                "name": "bench",
-                "cluster": {"server": plane.server, "certificate-authority": str(plane.ca_file)},
-            }
-        ],
-        "users": [{"name": "restarter", "user": {"token": answer["status"]["token"]}}],
-        "contexts": [{"name": "bench", "context": {"cluster": "bench", "user": "restarter"}}],
-        "current-context": "bench",
-    }
-    path.write_text(yaml.safe_dump(config))
+    testcluster._write_kubeconfig(
+        path, plane.server, plane.ca_file, answer["status"]["token"], user=RESTARTER_USER
+    )
 
 
 def wait_running(cluster: Cluster, spaces: list[str], timeout: float) -> float:
