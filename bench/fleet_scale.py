@@ -50,6 +50,7 @@ import tempfile
 import threading
 import time
 import tracemalloc
+import urllib.request
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -597,15 +598,39 @@ def set_not_ready(cluster: Cluster, nodes: list[str], down: bool) -> None:
     )
 
 
-def rack_storm(bench: Bench, fleet: Fleet, rack: list[str], hold: float) -> None:
-    """`rack` nodes NotReady at once (a storm at 5 %), held for `hold` seconds past the grace;
+def held_faults(restarters: RestarterFleet) -> float:
+    """The leader's edl_restarter_held_faults now (0 while none leads or answers)."""
+    leader = restarters.leader()
+    if leader is None:
+        return 0.0
+    url = f"http://127.0.0.1:{leader.metrics_port}/metrics"
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            text = response.read().decode()
+    except OSError:
+        return 0.0
+    for line in text.splitlines():
+        if line.startswith("edl_restarter_held_faults "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def rack_storm(bench: Bench, fleet: Fleet, rack: list[str]) -> None:
+    """`rack` nodes NotReady at once (a storm at 5 %), their pods' faults held past the grace;
     then all Ready again but 5 % of the fleet, whose pods are then replaced once."""
     cluster, ledger = bench.cluster, bench.ledger
     on_rack = [p for p in fleet.pods if p.node in set(rack)]
     before = set(ledger.replacements)
     set_not_ready(cluster, rack, down=True)
     downed = time.monotonic()
-    time.sleep(GRACE + hold)
+    # Past their grace every pod on the rack is a node fault: seen held by the storm guard (the
+    # leader's edl_restarter_held_faults), not replaced.
+    deadline = downed + GRACE + 120
+    while held_faults(bench.restarters) < len(on_rack):
+        if time.monotonic() > deadline:
+            raise SystemExit("the storm guard never held the rack's pods")
+        time.sleep(0.2)
+    figure("fleet_rack_held_after", time.monotonic() - downed, "s")
     held = [p for p in on_rack if (p.namespace, p.name) in ledger.replacements]
     figure("fleet_rack_replaced_while_storming", len(held), "pods")
     # The storm ends when the last of `back` is seen Ready: none of them is still down then.
@@ -867,7 +892,7 @@ def loads(bench: Bench, args: argparse.Namespace, fleet: Fleet, leader: Any) -> 
         "steady": lambda: load_steady(bench, args, pool, me),
         "idle": lambda: load_idle(bench, args, me),
         "kill": lambda: load_kill(bench, args, pool),
-        "rack": lambda: rack_storm(bench, fleet, rack, hold=10.0 if args.quick else 20.0),
+        "rack": lambda: rack_storm(bench, fleet, rack),
     }
     unknown = [name for name in chosen if name not in runs]
     if unknown:
