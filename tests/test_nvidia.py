@@ -13,7 +13,7 @@ import pytest
 from edl_agent.devices import nvidia
 from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.model import Device, LinkKind, Vendor, VendorReport
-from edl_agent.sim import fake_nvml_build, nvidia_tree
+from edl_agent.sim import fake_lib_build, nvidia_tree
 from edl_agent.sim.files import write_file
 from edl_agent.sim.profile import load_profile, stable_uuid
 from edl_agent.sim.tree import build_tree
@@ -291,10 +291,10 @@ def test_tree_layout(tmp_path: Path) -> None:
 
 def test_build_is_cached(tmp_path: Path) -> None:
     environ = {**os.environ, "EDL_CACHE_DIR": str(tmp_path)}
-    first = fake_nvml_build.library_path(environ)
+    first = fake_lib_build.library_path(environ=environ)
     built_at = first.stat().st_mtime_ns
 
-    again = fake_nvml_build.library_path(environ)
+    again = fake_lib_build.library_path(environ=environ)
 
     assert again == first
     assert again.stat().st_mtime_ns == built_at
@@ -303,16 +303,18 @@ def test_build_is_cached(tmp_path: Path) -> None:
 
 
 def test_cache_dir_defaults() -> None:
-    assert fake_nvml_build.cache_dir({"EDL_CACHE_DIR": "/c"}) == Path("/c")
-    assert fake_nvml_build.cache_dir({"XDG_CACHE_HOME": "/x"}) == Path("/x/edl-agent")
-    assert fake_nvml_build.cache_dir({}) == Path.home() / ".cache" / "edl-agent"
+    assert fake_lib_build.cache_dir({"EDL_CACHE_DIR": "/c"}) == Path("/c")
+    assert fake_lib_build.cache_dir({"XDG_CACHE_HOME": "/x"}) == Path("/x/edl-agent")
+    assert fake_lib_build.cache_dir({}) == Path.home() / ".cache" / "edl-agent"
 
 
 def test_missing_compiler_is_a_clear_error(tmp_path: Path) -> None:
     environ = {"EDL_CACHE_DIR": str(tmp_path), "CC": "no-such-cc", "PATH": str(tmp_path)}
 
-    with pytest.raises(fake_nvml_build.FakeNvmlBuildError, match="'no-such-cc' not found on PATH"):
-        fake_nvml_build.library_path(environ)
+    with pytest.raises(
+        fake_lib_build.FakeLibraryBuildError, match="'no-such-cc' not found on PATH"
+    ):
+        fake_lib_build.library_path(environ=environ)
 
 
 def test_failed_compile_is_a_clear_error(tmp_path: Path) -> None:
@@ -325,8 +327,8 @@ def test_failed_compile_is_a_clear_error(tmp_path: Path) -> None:
     )
     environ = {"EDL_CACHE_DIR": str(tmp_path / "cache"), "CC": str(compiler)}
 
-    with pytest.raises(fake_nvml_build.FakeNvmlBuildError) as failure:
-        fake_nvml_build.library_path(environ)
+    with pytest.raises(fake_lib_build.FakeLibraryBuildError) as failure:
+        fake_lib_build.library_path(environ=environ)
 
     assert str(failure.value) == (
         "building the simulated libnvidia-ml.so.1 failed: cc exited 1: "

@@ -83,7 +83,7 @@ def build_tree(name: str, directory: Path, node_name: str | None = None) -> None
     """The tree of profile `name` in `directory`, marked as simulated (`SIMULATED_MARKER`, so
     that `run --host-root` keeps its state inside it); UsageError (one line) when it cannot
     be. `node_name`: the node's hostname, and device ids of its own."""
-    from edl_agent.sim.fake_nvml_build import FakeNvmlBuildError
+    from edl_agent.sim.fake_lib_build import FakeLibraryBuildError
     from edl_agent.sim.profile import load_profile
     from edl_agent.sim.tree import build_tree as write_tree
 
@@ -91,7 +91,7 @@ def build_tree(name: str, directory: Path, node_name: str | None = None) -> None
         profile = load_profile(name)
         write_tree(profile if node_name is None else profile.on_node(node_name), directory)
         (directory / SIMULATED_MARKER).write_text(name + "\n")
-    except FakeNvmlBuildError as exc:
+    except FakeLibraryBuildError as exc:
         raise UsageError(str(exc)) from None
     except OSError as exc:
         msg = f"cannot write simulated node into {directory}: {exc.strerror or exc}"
@@ -100,13 +100,13 @@ def build_tree(name: str, directory: Path, node_name: str | None = None) -> None
 
 def replay_tree(recording: Path, directory: Path) -> None:
     """The tree of the node recorded in `recording`; UsageError (one line) when it cannot be."""
-    from edl_agent.sim.fake_nvml_build import FakeNvmlBuildError
+    from edl_agent.sim.fake_lib_build import FakeLibraryBuildError
     from edl_agent.sim.replay import replay
 
     try:
         replay(recording, directory)
         (directory / SIMULATED_MARKER).write_text(recording.name + "\n")
-    except FakeNvmlBuildError as exc:
+    except FakeLibraryBuildError as exc:
         raise UsageError(str(exc)) from None
     except OSError as exc:
         msg = f"cannot write the replayed node into {directory}: {exc.strerror or exc}"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pynvml
 
-from edl_agent.sim import fake_nvml_build
+from edl_agent.sim import fake_lib_build
 from edl_agent.sim.files import VENDOR_SLOT, write_file
 from edl_agent.sim.profile import (
     GpuSpec,
@@ -131,7 +131,7 @@ echo "GPU 00000000:00:00.0 was successfully reset."
 def install_library(root: Path) -> None:
     """Copy the cached library into the tree as a new file (a rename, never an overwrite in
     place: a process that has the old file loaded would see its code change under it)."""
-    built = fake_nvml_build.library_path()
+    built = fake_lib_build.library_path()
     local = root / LIBRARY.lstrip("/")
     local.parent.mkdir(parents=True, exist_ok=True)
     staging = local.with_name(f".{local.name}.tmp")
