@@ -137,7 +137,8 @@ class Agent:
     # The parts the CLI starts once kubelet is served.
 
     def start_publisher(self, api: NodeApi | None) -> None:
-        """Publish labels, the node condition and events (only logged when `api` is None)."""
+        """Publish labels, the node condition and events (only logged when `api` is None), and
+        the ConfigMap Volcano's Ascend scheduling reads when `node.volcano_device_info`."""
         from edl_agent.labels.publisher import NodePublisher
 
         self.publisher = NodePublisher(
@@ -154,6 +155,18 @@ class Agent:
         self.hub.subscribe(self.publisher.poke_event, lambda change: change.shown, keep=False)
         for part in self.publisher.parts():
             self.supervisor.add(part, critical=False)
+        if api is not None and self.settings.node.volcano_device_info:
+            from edl_agent.labels.volcano_writer import VolcanoDeviceInfo
+
+            writer = VolcanoDeviceInfo(
+                api=api,
+                state=self.state,
+                conditions=self.hub.unhealthy,
+                prefix=self.settings.ascend.resource_prefix,
+                overrides=self.settings.health.ascend_code_levels,
+            )
+            self.hub.subscribe(writer.poke_event, lambda change: change.shown, keep=False)
+            self.supervisor.add(writer, critical=False)
 
     def start_dra(self, api: NodeApi | None) -> None:
         """Serve the vendors whose `serve` is `dra` or `both` through DRA (dra/node.py; only

@@ -222,6 +222,12 @@ class NodeSettings:
         "An event with the same type, reason and message within this window bumps the count "
         "of the first one instead of creating another.",
     )
+    volcano_device_info: bool = setting(
+        False,
+        "Also keep the ConfigMap kube-system/mindx-dl-deviceinfo-<node> that Volcano's Ascend "
+        "scheduling reads (Ascend NPUs' health in MindCluster's format), in place of Huawei's "
+        "device plugin. Needs the opt-in access in deploy/volcano.",
+    )
     api_connect_timeout_seconds: float = setting(
         5.0, "How long the agent's API client waits to connect to the API server."
     )

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import structlog
 
+from edl_agent.devices import rocm_smi
 from edl_agent.devices.hostroot import HostRoot, ToolError, parse_numa_node
 from edl_agent.devices.hygon_smi import (
     STATE_KEY,
@@ -42,7 +43,9 @@ __all__ = [
     "DcuStatus",
     "HySmiParseError",
     "HySmiReport",
+    "device_id",
     "discover",
+    "health_source",
     "kfd_location_key",
     "parse_hy_smi_json",
     "parse_hy_smi_status",
@@ -80,6 +83,19 @@ def smi_tool(root: HostRoot, *, hygon_cards: bool) -> Path | None:
     if tool is None and hygon_cards:
         tool = root.which(FALLBACK_TOOL)
     return tool
+
+
+def device_id(bus_id: str) -> str:
+    """A DCU's id: its PCI address, which does not shift when another card disappears."""
+    return f"hygon-dcu-{bus_id}"
+
+
+def health_source(root: HostRoot, tool: Path | None) -> str:
+    """What DCU health is read through: DTK's rocm_smi library where it is usable (no process
+    per poll), else the tool (`hy-smi`, or DTK's `rocm-smi`)."""
+    if rocm_smi.usable(root) is not None:
+        return rocm_smi.HEALTH_SOURCE
+    return tool.name if tool is not None else TOOL
 
 
 @dataclass(frozen=True)
@@ -131,7 +147,8 @@ def discover(root: HostRoot) -> VendorReport | None:
     driver = {}
     if report is not None and report.driver_version:
         driver["driver_version"] = report.driver_version
-    log.debug("hygon discovered", count=len(devices))
+    driver["health_source"] = health_source(root, tool)
+    log.debug("hygon discovered", count=len(devices), health_source=driver["health_source"])
     return VendorReport(vendor=Vendor.HYGON, devices=devices, driver=driver, error=error)
 
 
@@ -239,7 +256,7 @@ def _device(
         vendor=Vendor.HYGON,
         kind="dcu",
         index=index,
-        id=f"hygon-dcu-{bus_id}" if bus_id is not None else f"hygon-dcu{index}",
+        id=device_id(bus_id) if bus_id is not None else f"hygon-dcu{index}",
         product=(record.product if record is not None else None) or "unknown",
         memory_mib=memory,
         numa_node=card.numa_node if card is not None else None,

@@ -1,5 +1,6 @@
 """The polled vendors (Kunlunxin XPU, Hygon DCU, Ascend NPU): one `poll-<vendor>` part each, so
-a vendor tool that hangs holds up only its own vendor.
+a vendor tool that hangs holds up only its own vendor. Hygon is read through DTK's rocm_smi
+library where it answers (`hygon_library`), its tool otherwise.
 
 A vendor tool sends no events: it is read every `health.poll_seconds` (the operator's choice,
 1 s by default, for the fault-to-Unhealthy time it buys). Each round reports the tool's health
@@ -19,12 +20,15 @@ from edl_agent.config import HealthSettings
 from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.model import Vendor
 from edl_agent.health.hub import HealthHub
+from edl_agent.health.hygon_library import poll_hygon_auto
 from edl_agent.health.model import DeviceTelemetry
 from edl_agent.health.state import DeviceState
-from edl_agent.health.vendor_readings import POLLERS, poll
+from edl_agent.health.vendor_readings import POLLERS, Poller, poll
 from edl_agent.runtime.supervisor import Every
 
 POLLED_REASON_PREFIXES = ("XPU_", "DCU_", "NPU_")
+# Vendors read through their library where it answers (each falls back to its tool by itself).
+LIBRARY_POLLERS: dict[Vendor, Poller] = {Vendor.HYGON: poll_hygon_auto}
 
 
 class VendorPolls:
@@ -56,7 +60,9 @@ class VendorPolls:
         devices = [d for d in self._state.snapshot().inventory.devices if d.vendor is vendor]
         if not devices:
             return
-        result = poll(vendor, self._root, devices, self._settings)
+        result = poll(
+            vendor, self._root, devices, self._settings, poller=LIBRARY_POLLERS.get(vendor)
+        )
         self.telemetry[vendor] = result.telemetry
         for event in result.events:
             self._hub.report(event)

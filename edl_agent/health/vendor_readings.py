@@ -233,9 +233,11 @@ def poll(
     settings: HealthSettings,
     *,
     clock: Clock = time.monotonic,
+    poller: Poller | None = None,
 ) -> PollResult:
-    """Poll `vendor` (one of POLLERS; NVIDIA reports through NVML events instead)."""
-    poller = POLLERS.get(vendor)
+    """Poll `vendor` with `poller`, else its POLLERS entry (NVIDIA reports through NVML events
+    instead)."""
+    poller = poller or POLLERS.get(vendor)
     if poller is None:
         msg = f"no polled health for {vendor.value}"
         raise ValueError(msg)

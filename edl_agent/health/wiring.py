@@ -22,6 +22,7 @@ from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.model import Vendor
 from edl_agent.health.classify import classify_xid
 from edl_agent.health.hub import HealthHub
+from edl_agent.health.hygon_library import library_usable
 from edl_agent.health.inventory_watch import InventoryWatch
 from edl_agent.health.nvml_watch import NvmlWatcher
 from edl_agent.health.presence_watch import PresenceRound
@@ -30,6 +31,7 @@ from edl_agent.health.quarantine_writer import QuarantineWriter
 from edl_agent.health.quiet_periods import QuietPeriods
 from edl_agent.health.remediation import Remediation
 from edl_agent.health.reset_watch import ResetEvidence
+from edl_agent.health.rocm_smi_watch import RocmSmiWatcher
 from edl_agent.health.state import DeviceState, Snapshot
 from edl_agent.health.vendor_polls import VendorPolls
 from edl_agent.kubelet.podresources import Claimable, PodResourcesClient
@@ -129,6 +131,11 @@ class NodeHealth:
             )
             retry = Backoff(health.nvml_retry_seconds, health.nvml_retry_seconds)
             add(self.nvml, critical=False, backoff=retry, stop_seconds=NVML_STOP_SECONDS)
+        vendors = {r.vendor for r in self.state.snapshot().inventory.reports}
+        if Vendor.HYGON in vendors and library_usable(self.root):
+            retry = Backoff(health.nvml_retry_seconds, health.nvml_retry_seconds)
+            watcher = RocmSmiWatcher(self.root, self.hub.report)
+            add(watcher, critical=False, backoff=retry, stop_seconds=NVML_STOP_SECONDS)
         if self.writer is not None:
             add(self.writer, critical=False)
         presence = PresenceRound(

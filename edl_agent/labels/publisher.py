@@ -40,7 +40,7 @@ from edl_agent.runtime.supervisor import Part, on_stop
 MAX_BACKOFF_SECONDS = 30.0
 
 
-class _Poke(threading.Event):
+class StatePoke(threading.Event):
     """Set when an input other than the device state changed: also wakes the wait on it."""
 
     def __init__(self, state: DeviceState) -> None:
@@ -78,7 +78,7 @@ class NodePublisher:
         self._announce_lock = threading.Lock()
         self._monitors = monitors
         self._unsaved = unsaved
-        self.poke_event: threading.Event = _Poke(state)
+        self.poke_event: threading.Event = StatePoke(state)
         node = state.snapshot().inventory.node
         self.updater = NodeUpdater(api=api, node_name=node, settings=settings.node)
         self.watcher = NodeWatcher(api, node, self._observed) if api is not None else None

@@ -9,15 +9,24 @@ without hy-smi (profile `tool`). Its JSON is strict as rocm-smi prints it, or (p
 twice per card, `PCI Bus` values carrying serial number and OAM id
 (tests/fixtures/real/hygon/). Each card carries a designed `DCU State` field (Normal, Warning,
 Fault, Lost) that real hy-smi does not print; `set_dcu_state` rewrites it in place.
+
+The node also has DTK's rocm_smi library (`librocm_smi64.so`, built from fake_rocm_smi.c) and
+its data file. rocm_smi has no state word; `set_dcu_state` writes what the library shows for
+each: Warning, the junction temperature at its max threshold; Fault, an uncorrectable ECC
+error; Lost, reads that fail as for a device off the bus (a word the library cannot show reads
+as Warning). `inject_dcu_event` adds an event for the library's event API.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from edl_agent.sim import fake_lib_build
+from edl_agent.sim.fake_lib_build import FakeLibrary
 from edl_agent.sim.files import VENDOR_SLOT, write_file
 from edl_agent.sim.profile import HygonSpec, Profile, numa_node_of, pci_bus_id, stable_uuid
 
@@ -25,6 +34,13 @@ TOOL = "/opt/hyhal/bin/hy-smi"
 JSON_OUTPUT = "/opt/hyhal/bin/hy-smi.json"
 TABLE_OUTPUT = "/opt/hyhal/bin/hy-smi.txt"
 ROCM_TOOL = "/opt/dtk/bin/rocm-smi"  # DTK's, on nodes without hy-smi
+ROCM_SMI = FakeLibrary("librocm_smi64.so", "fake_rocm_smi.c", "fake-rocm-smi")
+LIBRARY = "/opt/dtk/rocm_smi/lib/librocm_smi64.so"
+LIBRARY_DATA = LIBRARY + ".data"
+LIBRARY_EVENTS = LIBRARY + ".events"  # append-only; the library delivers what is added
+# rsmi_evt_notification_type_t by the names `inject_dcu_event` takes.
+EVENT_KINDS = {"vmfault": 1, "thermal_throttle": 2, "pre_reset": 3, "post_reset": 4}
+TEMP_MAX_C = 100.0
 TOOLS = (TOOL, ROCM_TOOL)
 PCI_VENDOR = "0x1d94"
 BMC_VGA_BUS = "0000:03:00.0"
@@ -105,6 +121,47 @@ def write(spec: HygonSpec, profile: Profile, root: Path) -> None:
     write_file(root, tool + ".json", json_text)
     write_file(root, tool + ".txt", hy_smi_table(dcus))
     write_file(root, tool, SCRIPT, mode=0o755)
+    install_library(root)
+    write_file(root, LIBRARY_DATA, library_data(dcus, bw=spec.json_style == "bw"))
+
+
+def install_library(root: Path) -> None:
+    """Copy the cached fake library into the tree as a new file (renamed into place: a process
+    that has the old file loaded must not see its code change)."""
+    local = root / LIBRARY.lstrip("/")
+    local.parent.mkdir(parents=True, exist_ok=True)
+    staging = local.with_name(f".{local.name}.tmp")
+    shutil.copyfile(fake_lib_build.library_path(ROCM_SMI), staging)
+    staging.chmod(0o755)
+    staging.replace(local)
+
+
+def library_data(dcus: list[SimDcu], *, bw: bool) -> str:
+    """The fake library's data: the figures the tool's JSON shows, every DCU healthy."""
+    lines = ["# fake rocm_smi data, written by edl_agent/sim/hygon_tree.py"]
+    for dcu in dcus:
+        temperature = (53.0 if bw else 38.0) + dcu.index % 4
+        power = 84.0 + dcu.index if bw else 60.0
+        fields = {
+            "bdfid": _bdfid(dcu.bus_id),
+            "temp_mc": int(temperature * 1000),
+            "temp_max_mc": int(TEMP_MAX_C * 1000),
+            "power_uw": int(power * 1e6),
+            "busy": 0,
+            "vram_total": dcu.memory_mib * 1024 * 1024,
+            "vram_used": 3 * 1024 * 1024,
+            "ecc_ce": 0,
+            "ecc_ue": 0,
+            "gone": 0,
+        }
+        lines.append("\t".join(["dcu", *(f"{key}={value}" for key, value in fields.items())]))
+    return "\n".join(lines) + "\n"
+
+
+def _bdfid(bus_id: str) -> int:
+    domain, bus, rest = bus_id.split(":")
+    slot, function = rest.split(".")
+    return int(domain, 16) << 32 | int(bus, 16) << 8 | int(slot, 16) << 3 | int(function)
 
 
 def _write_pci_card(
@@ -263,6 +320,30 @@ def set_dcu_state(root: Path, index: int, state: str) -> None:
         msg = f"{root}: no simulated DCU {index}"
         raise ValueError(msg)
     path.write_text(edited, encoding="utf-8")
+    _set_library_state(root, index, state)
+
+
+def _set_library_state(root: Path, index: int, state: str) -> None:
+    """What the fake library shows for `state` (module docstring), when the tree has it."""
+    path = root / LIBRARY_DATA.lstrip("/")
+    if not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines()
+    rows = [number for number, line in enumerate(lines) if line.startswith("dcu\t")]
+    if index >= len(rows):
+        return
+    word = state.strip().lower()
+    fields = dict(field.split("=", 1) for field in lines[rows[index]].split("\t")[1:])
+    normal_temp = fields.get("normal_temp_mc", fields["temp_mc"])
+    fields["normal_temp_mc"] = normal_temp
+    at_max = word not in {"normal", "fault", "lost"}
+    fields["temp_mc"] = fields["temp_max_mc"] if at_max else normal_temp
+    fields["ecc_ue"] = "1" if word == "fault" else "0"
+    fields["gone"] = "1" if word == "lost" else "0"
+    lines[rows[index]] = "\t".join(["dcu", *(f"{k}={v}" for k, v in fields.items())])
+    staging = path.with_name(f".{path.name}.tmp")
+    staging.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    staging.replace(path)  # the library re-reads the file: it must never see half of it
 
 
 def json_output(root: Path) -> Path | None:
@@ -279,3 +360,21 @@ def count_dcus(root: Path) -> int:
     path = json_output(root)
     text = path.read_text(encoding="utf-8") if path is not None else ""
     return len(set(re.findall(r'"card(\d+)"\s*:', text)))
+
+
+def inject_dcu_event(root: Path, index: int, kind: str, message: str = "") -> None:
+    """An rocm_smi event on DCU `index` (`kind` one of EVENT_KINDS), delivered to a process
+    collecting that kind. ValueError (one line) for a bad argument or a tree without DCUs."""
+    path = root / LIBRARY_EVENTS.lstrip("/")
+    if not (root / LIBRARY_DATA.lstrip("/")).is_file():
+        msg = f"{root}: no simulated Hygon DCUs with the rocm_smi library"
+        raise ValueError(msg)
+    if kind not in EVENT_KINDS:
+        msg = f"event {kind!r}: expected one of {', '.join(EVENT_KINDS)}"
+        raise ValueError(msg)
+    if not 0 <= index < count_dcus(root):
+        msg = f"{root}: no simulated DCU {index}"
+        raise ValueError(msg)
+    text = " ".join(message.split())[:63]
+    with path.open("a", encoding="utf-8") as file:
+        file.write(f"event\tdcu={index}\tkind={EVENT_KINDS[kind]}\tmessage={text}\n")

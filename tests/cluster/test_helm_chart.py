@@ -141,6 +141,30 @@ def test_every_object_is_the_kustomizations_but_for_helms_labels() -> None:
         assert as_kustomized(chart[name]) == cel_spaced(kustomize[name]), name
 
 
+def test_the_volcano_option_is_deploy_volcanos() -> None:
+    """vendors.ascend.volcanoDeviceInfo renders what deploy/volcano adds to deploy/daemonset."""
+    kustomize = by_key(kustomized(DEPLOY.parent / "volcano"))
+    chart = by_key(
+        rendered(
+            *WITH_PROMETHEUS_OPERATOR,
+            "--set",
+            "namespace.create=true",
+            "--set",
+            "vendors.ascend.volcanoDeviceInfo=true",
+        )
+    )
+
+    assert chart.keys() == kustomize.keys()
+    assert chart.keys() - by_key(kustomized(DEPLOY)).keys() == {
+        ("Role", "kube-system", "edl-agent-volcano-device-info"),
+        ("RoleBinding", "kube-system", "edl-agent-volcano-device-info"),
+        ("ValidatingAdmissionPolicy", None, "edl-agent-volcano-device-info"),
+        ("ValidatingAdmissionPolicyBinding", None, "edl-agent-volcano-device-info"),
+    }
+    for name in sorted(kustomize, key=str):
+        assert as_kustomized(chart[name]) == cel_spaced(kustomize[name]), name
+
+
 def node_terms(pod: dict[str, Any]) -> list[str]:
     """The label keys of the pod's required node-affinity terms (each `KEY In [true]`)."""
     required = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]

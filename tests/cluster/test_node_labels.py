@@ -111,13 +111,13 @@ def sa_client(admin: client.ApiClient, token: str) -> client.ApiClient:
     return client.ApiClient(config)
 
 
-def install_manifest(k8s: KwokCluster) -> list[Callable[[], object]]:
+def install_manifest(k8s: KwokCluster, manifest: Path = MANIFEST) -> list[Callable[[], object]]:
     """Create the manifest's objects for this test's namespace: `edl-system` becomes it, and
     everything outside it gets a per-test name. Returns the deletions for the cleanup."""
     suffix = k8s.namespace
     rbac = client.RbacAuthorizationV1Api(k8s.api)
     admission = client.AdmissionregistrationV1Api(k8s.api)
-    text = MANIFEST.read_text().replace("edl-system", k8s.namespace)
+    text = manifest.read_text().replace("edl-system", k8s.namespace)
     undo: list[Callable[[], object]] = []
     for doc in yaml.safe_load_all(text):
         kind, meta = doc["kind"], doc["metadata"]
@@ -149,7 +149,7 @@ def install_manifest(k8s: KwokCluster) -> list[Callable[[], object]]:
             admission.create_validating_admission_policy_binding(doc)
             undo.append(lambda n=name: admission.delete_validating_admission_policy_binding(n))
         else:
-            raise AssertionError(f"unexpected {kind} in {MANIFEST}")
+            raise AssertionError(f"unexpected {kind} in {manifest}")
     return undo
 
 
