@@ -8,11 +8,13 @@ nothing but the data.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from edl_agent.fault_codes import HEX_CODE, parse_ascend_code
+from edl_agent.health.ascend_fault_codes import RULES as ASCEND_LEVEL_RULES
+from edl_agent.health.ascend_fault_codes import AscendFaultType, ascend_fault_type
+from edl_agent.health.ascend_fault_codes import table as ascend_code_table
 from edl_agent.health.model import ClearsBy, HealthEvent, Level
 
 Overrides = Mapping[str, str]
@@ -128,62 +130,16 @@ def classify_row_remap_failure() -> Level:
 
 # --- Ascend fault codes --------------------------------------------------------------------------
 
-
-class AscendFaultType(enum.StrEnum):
-    """The fault levels of Huawei's Ascend device plugin (MindCluster), mildest first."""
-
-    NOT_HANDLE = "NotHandleFault"  # does not affect the job; nothing to do
-    RESTART_REQUEST = "RestartRequest"  # re-run the inference request or training step
-    RESTART_BUSINESS = "RestartBusiness"  # re-run the job; the chip stays in service
-    FREE_RESTART_NPU = "FreeRestartNPU"  # reset the chip once it is idle
-    RESTART_NPU = "RestartNPU"  # reset the chip now, then re-run the job
-    PRE_SEPARATE_NPU = "PreSeparateNPU"  # isolate the chip once its jobs have left it
-    SEPARATE_NPU = "SeparateNPU"  # a reset does not help: isolate the chip
-    MANUALLY_SEPARATE_NPU = "ManuallySeparateNPU"  # isolated after repeated faults; a person clears
-
-
-# Job-level types leave the chip schedulable: the job (not the device) has to retry, which is the
-# job controller's business, so they are warnings here. Reset types drain the chip until it is
-# reset (the driver keeps reporting the code until then, so the code no longer being reported is
-# the evidence of a reset). Isolation types say a reset does not help: the chip is out until a
-# person releases it.
+# The levels, their rules and the code table: `ascend_fault_codes` (MindCluster's own table, as
+# data). SubHealthFault warns of a coming fault and leaves the chip in service; PreSeparateNPU and
+# ManuallySeparateNPU isolate it, as SeparateNPU does.
 ASCEND_FAULT_TYPE_RULES: Mapping[AscendFaultType, Rule] = {
-    AscendFaultType.NOT_HANDLE: Rule(Level.IGNORE, ClearsBy.NOTHING),
-    AscendFaultType.RESTART_REQUEST: Rule(Level.WARN, ClearsBy.NOTHING),
-    AscendFaultType.RESTART_BUSINESS: Rule(Level.WARN, ClearsBy.NOTHING),
-    AscendFaultType.FREE_RESTART_NPU: Rule(Level.DEVICE_FATAL, ClearsBy.RESET),
-    AscendFaultType.RESTART_NPU: Rule(Level.DEVICE_FATAL, ClearsBy.RESET),
-    AscendFaultType.PRE_SEPARATE_NPU: Rule(Level.NODE_FATAL, ClearsBy.RELEASE),
-    AscendFaultType.SEPARATE_NPU: Rule(Level.NODE_FATAL, ClearsBy.RELEASE),
-    AscendFaultType.MANUALLY_SEPARATE_NPU: Rule(Level.NODE_FATAL, ClearsBy.RELEASE),
+    kind: Rule(rule.level, rule.clears_by) for kind, rule in ASCEND_LEVEL_RULES.items()
 }
 ASCEND_FAULT_TYPE_LEVELS: Mapping[AscendFaultType, Level] = {
     kind: rule.level for kind, rule in ASCEND_FAULT_TYPE_RULES.items()
 }
-
-# A sample of the default fault-code table that MindCluster ships (faultCode.json of the Ascend
-# device plugin / Container Manager, hex form); meanings from Huawei's chip fault-code reference
-# where one is published. ManuallySeparateNPU and PreSeparateNPU are not assigned to chip codes
-# by default: the plugin reaches them through fault frequency and node-level rules.
-ASCEND_CODE_TYPES: Mapping[int, AscendFaultType] = {
-    0x80E21007: AscendFaultType.NOT_HANDLE,  # dmp_daemon node status detection abnormal
-    0x81078603: AscendFaultType.NOT_HANDLE,  # parameter-plane network link down
-    0x80E38003: AscendFaultType.NOT_HANDLE,
-    0x80CB8009: AscendFaultType.RESTART_REQUEST,  # AIV bus access error
-    0x80CB800A: AscendFaultType.RESTART_REQUEST,  # AIV operator timeout (warm reset)
-    0x80C98009: AscendFaultType.RESTART_REQUEST,  # AIC bus access error
-    # HBM multi-bit (uncorrectable) ECC: the bad region is isolated and the job re-run.
-    0x80E01801: AscendFaultType.RESTART_BUSINESS,
-    0x8C204E00: AscendFaultType.RESTART_BUSINESS,
-    0x8C0E4E00: AscendFaultType.FREE_RESTART_NPU,
-    0x8C104E00: AscendFaultType.FREE_RESTART_NPU,
-    0x8C03A000: AscendFaultType.RESTART_NPU,
-    0x8C1FA006: AscendFaultType.RESTART_NPU,
-    0x80E24E00: AscendFaultType.RESTART_NPU,
-    0x80E18402: AscendFaultType.SEPARATE_NPU,  # HBM multi-bit ECC, isolated rows reached 64
-    0x80E3A201: AscendFaultType.SEPARATE_NPU,
-    0x80E0020B: AscendFaultType.SEPARATE_NPU,
-}
+ASCEND_CODE_TYPES: Mapping[int, AscendFaultType] = ascend_code_table()
 
 # Codes outside the table: MindCluster's default for unrecorded codes differs between releases
 # (NotHandleFault in some, SeparateNPU in others, the driver's severity in the newest we read). We
@@ -202,7 +158,7 @@ def ascend_code_level(code: int, overrides: Overrides | None = None) -> Level | 
         for key, value in overrides.items():
             if HEX_CODE.match(key.strip()) and parse_ascend_code(key) == code:
                 return Level(value)
-    fault_type = ASCEND_CODE_TYPES.get(code)
+    fault_type = ascend_fault_type(code)
     return ASCEND_FAULT_TYPE_LEVELS[fault_type] if fault_type is not None else None
 
 
@@ -212,7 +168,7 @@ def ascend_code_clears_by(code: int, level: Level, overrides: Overrides | None =
     for key, value in (overrides or {}).items():
         if HEX_CODE.match(key.strip()) and parse_ascend_code(key) == code:
             return ClearsBy(value)
-    fault_type = ASCEND_CODE_TYPES.get(code)
+    fault_type = ascend_fault_type(code)
     known = ASCEND_FAULT_TYPE_RULES[fault_type].clears_by if fault_type is not None else None
     return _clears_at(level, known)
 

@@ -30,8 +30,8 @@ from edl_agent.devices import ascend, hygon, kunlunxin
 from edl_agent.devices.hostroot import HostRoot, ToolError
 from edl_agent.devices.model import Device, Vendor
 from edl_agent.fault_codes import format_ascend_code
+from edl_agent.health.ascend_fault_codes import ascend_fault_type
 from edl_agent.health.classify import (
-    ASCEND_CODE_TYPES,
     classify_device_state,
     classify_ecc_dbe,
     classify_npu_fault,
@@ -295,7 +295,7 @@ def _npu_finding(
 
 
 def _describe_code(code: int) -> str:
-    fault_type = ASCEND_CODE_TYPES.get(code)
+    fault_type = ascend_fault_type(code)
     name = format_ascend_code(code)
     return f"{name} ({fault_type.value})" if fault_type is not None else name
 

@@ -22,7 +22,7 @@ A fault object's fields, in order: `fault_type` (`CardUnhealthy`), `npu_name`,
 severe of the NPU's), `fault_code` (hex codes without `0x`, upper case, comma-joined),
 `fault_time_and_level_map` (per code: `fault_time` in Unix milliseconds, `fault_level`).
 
-Levels come from `health.classify` (MindCluster's table, with the operator's
+Levels come from `health.ascend_fault_codes` (MindCluster's table, with the operator's
 `health.ascend_code_levels`); a code the table does not know, or an unhealthy NPU without a code,
 takes the level our own condition implies: out until reset → `RestartNPU`, out until a person
 releases it → `SeparateNPU`. `SuperPodID`/`ServerIndex` are -2, MindCluster's "not queried".
@@ -40,7 +40,7 @@ from typing import Any
 from edl_agent.devices.model import Device, Vendor
 from edl_agent.devices.resources import ascend_family
 from edl_agent.fault_codes import HEX_CODE, parse_ascend_code
-from edl_agent.health import classify
+from edl_agent.health.ascend_fault_codes import AscendFaultType, ascend_fault_type
 from edl_agent.health.model import ClearsBy, Level
 from edl_agent.health.tracker import Condition
 
@@ -54,17 +54,7 @@ NOT_QUERIED = -2  # SuperPodID / ServerIndex when the super-pod facts were not r
 CARD_UNHEALTHY = "CardUnhealthy"
 
 # MindCluster's levels, mildest first: a device's level is the most severe of its codes'.
-LEVELS = (
-    "NotHandleFault",
-    "SubHealthFault",
-    "RestartRequest",
-    "RestartBusiness",
-    "FreeRestartNPU",
-    "RestartNPU",
-    "PreSeparateNPU",
-    "SeparateNPU",
-    "ManuallySeparateNPU",
-)
+LEVELS = tuple(kind.value for kind in AscendFaultType)
 MANUALLY_SEPARATED = "ManuallySeparateNPU"
 # The level our own decision implies, for what the table cannot say.
 _FROM_LEVEL: Mapping[Level, str] = {
@@ -175,9 +165,7 @@ def code_level(code: int, overrides: Mapping[str, str] | None = None) -> str | N
     for key, value in (overrides or {}).items():
         if HEX_CODE.match(key.strip()) and parse_ascend_code(key) == code:
             return _FROM_LEVEL[Level(value)]
-    # classify.ascend_fault_type(code), where it exists, knows MindCluster's whole table.
-    lookup = getattr(classify, "ascend_fault_type", None)
-    kind = lookup(code) if callable(lookup) else classify.ASCEND_CODE_TYPES.get(code)
+    kind = ascend_fault_type(code)
     return None if kind is None else str(kind)
 
 
