@@ -4,7 +4,8 @@ health hub with every part that feeds it or follows it (`NodeHealth`).
 `read_node` is all the disk the start needs: device discovery, the boot id, the quarantine an
 earlier run saved. `NodeHealth` builds on it without touching a disk (the restored quarantine is
 saved by the writer part once it runs), and `add_parts` hands its parts to the supervisor: the
-NVML watcher (on an NVIDIA node), the quarantine writer, device-node presence and re-discovery,
+NVML watcher (on an NVIDIA node), rocm_smi's event watcher (on a Hygon node whose library
+loads), the quarantine writer, device-node presence and re-discovery,
 reset evidence, quiet periods, the vendor polls and remediation (when enabled).
 """
 
