@@ -55,13 +55,13 @@ CARD_UNHEALTHY = "CardUnhealthy"
 
 # MindCluster's levels, mildest first: a device's level is the most severe of its codes'.
 LEVELS = tuple(kind.value for kind in AscendFaultType)
-MANUALLY_SEPARATED = "ManuallySeparateNPU"
+MANUALLY_SEPARATED = AscendFaultType.MANUALLY_SEPARATE_NPU.value
 # The level our own decision implies, for what the table cannot say.
 _FROM_LEVEL: Mapping[Level, str] = {
-    Level.IGNORE: "NotHandleFault",
-    Level.WARN: "RestartBusiness",
-    Level.DEVICE_FATAL: "RestartNPU",
-    Level.NODE_FATAL: "SeparateNPU",
+    Level.IGNORE: AscendFaultType.NOT_HANDLE.value,
+    Level.WARN: AscendFaultType.RESTART_BUSINESS.value,
+    Level.DEVICE_FATAL: AscendFaultType.RESTART_NPU.value,
+    Level.NODE_FATAL: AscendFaultType.SEPARATE_NPU.value,
 }
 _CODE_IN_TEXT = re.compile(r"0x([0-9A-Fa-f]{8})\b")
 
