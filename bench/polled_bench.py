@@ -1,5 +1,7 @@
-"""Polled-vendor health figure: a fault the vendor tool reports (Kunlunxin `xpu-smi`, Hygon
-`hy-smi`, Ascend `npu-smi`) → the device Unhealthy in ListAndWatch, per vendor.
+"""Polled-vendor health figure: a fault state the vendor reports (Kunlunxin `xpu-smi`; Hygon and
+Ascend through the rocm_smi and DCMI libraries the simulated nodes have, their tools where a node
+lacks them) → the device Unhealthy in ListAndWatch, per vendor. A fault state with no fault code
+raises no event, so each is found by the poll; bench/vendor_events.py measures the event path.
 
     .venv/bin/python bench/polled_bench.py [--quick] [--injections 20] [--poll-seconds 1]
 

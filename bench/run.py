@@ -45,6 +45,7 @@ BENCHMARKS = [
     ("plugin", "plugin_bench.py"),
     ("health", "health_bench.py"),
     ("polled", "polled_bench.py"),
+    ("vendor_events", "vendor_events.py"),
     ("metrics", "metrics_bench.py"),
     ("restarter", "restarter_bench.py"),
     ("intake_storm", "intake_storm.py"),

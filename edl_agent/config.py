@@ -149,7 +149,9 @@ class HealthSettings:
         "lifecycle).",
     )
     poll_seconds: float = setting(
-        1.0, "How often vendor tools are polled for health (vendors without an event API)."
+        1.0,
+        "How often Kunlunxin, Hygon and Ascend devices are polled for health, through their "
+        "library where the node has it, else their tool (Ascend faults also arrive as events).",
     )
     nvml_retry_seconds: float = setting(
         5.0, "Wait before trying again when NVML cannot be initialised or its event loop breaks."

@@ -20,7 +20,7 @@ from edl_agent.devices.discovery import discover_node
 from edl_agent.devices.hostroot import MAX_TOOL_OUTPUT, HostRoot, ToolError
 from edl_agent.devices.model import Health, Inventory, Vendor
 from edl_agent.health import vendor_readings
-from edl_agent.sim import ascend_tree, hygon_tree, kunlunxin_tree
+from edl_agent.sim import ascend_dcmi, ascend_tree, hygon_tree, kunlunxin_tree
 from edl_agent.sim.profile import load_profile
 from edl_agent.sim.tree import build_tree
 
@@ -42,6 +42,7 @@ def node(tmp_path: Path, vendor: Vendor) -> tuple[Path, Inventory]:
     profile, _, _ = VENDORS[vendor]
     tree = tmp_path / "node"
     build_tree(load_profile(profile), tree)
+    ascend_dcmi.remove(tree)  # NPUs through npu-smi: the tool is what these tests break
     return tree, discover_node(settings(tree))
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from edl_agent.cli import main
+from edl_agent.sim import ascend_dcmi
 from edl_agent.sim.profile import ProfileError, load_profile, parse_profile, profile_names
 
 
@@ -234,6 +235,7 @@ def test_garbled_vendor_tool_spoils_only_its_vendor(
 ) -> None:
     tree = tmp_path / "node"
     assert main(["simulate", "build", "mixed-gpu-npu", str(tree)]) == 0
+    ascend_dcmi.remove(tree)  # the NPUs read through npu-smi alone
     recorded = tree / "usr/local/Ascend/driver/tools/npu-smi.info.txt"
     assert recorded.is_file()
     recorded.write_text("+----+\n| this is not a table\n")

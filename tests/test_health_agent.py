@@ -12,7 +12,9 @@ import pytest
 import structlog.testing
 
 from edl_agent._proto.deviceplugin.v1beta1 import api_pb2
-from edl_agent.sim import ascend_tree, inject
+from edl_agent.sim import ascend_dcmi, ascend_tree, inject
+from edl_agent.sim.profile import load_profile
+from edl_agent.sim.tree import build_tree
 from tests.kubelet_standin import Watch
 from tests.test_plugin import Node, running_node
 from tests.waiting import wait_until
@@ -244,6 +246,8 @@ def test_a_hung_vendor_tool_delays_neither_registration_nor_presence(tmp_path: P
     """npu-smi hangs for 30 s in its poll (its own part now): a kubelet restart is still answered
     at once and a vanished GPU node is still noticed within a presence round."""
     hung = {"health": {"tool_timeout_seconds": 30.0}}
+    build_tree(load_profile("mixed-gpu-npu"), tmp_path / "node")
+    ascend_dcmi.remove(tmp_path / "node")  # the NPUs polled through npu-smi, which hangs
     with running_node(tmp_path, "mixed-gpu-npu", extra=hung) as node:
         node.kubelet.wait_registered(node.resources)
         tool = node.tree / ascend_tree.TOOL.lstrip("/")

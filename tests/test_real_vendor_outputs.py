@@ -187,7 +187,7 @@ def test_npu_smi_info(case: NpuCase, tmp_path: Path, capsys: pytest.CaptureFixtu
     assert unhealthy == case.unhealthy
     (report,) = (v for v in inventory["vendors"] if v["vendor"] == "ascend")
     assert (report["count"], report["error"]) == (len(indexes), None)
-    assert report["driver"] == {"driver_version": case.driver}
+    assert report["driver"] == {"driver_version": case.driver, "health_source": "npu-smi"}
 
     warned = warnings_of(ascend.discover, root)
     assert [e.get("count") for e in warned] == ([case.unreadable] if case.unreadable else [])

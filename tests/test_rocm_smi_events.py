@@ -3,7 +3,6 @@ injected events to `RocmSmiWatcher` running under a supervisor, as the agent run
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import pytest
@@ -12,30 +11,14 @@ from edl_agent.devices import hygon
 from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.model import Device, Vendor
 from edl_agent.devices.tool_runs import TOOL_RUNS
-from edl_agent.health.model import ClearsBy, HealthEvent, Level
+from edl_agent.health.model import ClearsBy, Level
 from edl_agent.health.rocm_smi_watch import EVENTS_FAILED, RocmSmiWatcher
 from edl_agent.sim import hygon_tree
 from edl_agent.sim.profile import load_profile
 from edl_agent.sim.tree import build_tree
+from tests.health_events import Events
 from tests.parts import supervised
-from tests.waiting import wait_for, wait_until
-
-
-class Events:
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._events: list[HealthEvent] = []
-
-    def __call__(self, event: HealthEvent) -> None:
-        with self._lock:
-            self._events.append(event)
-
-    def seen(self) -> list[HealthEvent]:
-        with self._lock:
-            return list(self._events)
-
-    def wait(self, count: int) -> list[HealthEvent]:
-        return wait_for(f"{count} health events", self.seen, lambda got: len(got) >= count)
+from tests.waiting import wait_until
 
 
 def node(tmp_path: Path) -> list[Device]:

@@ -15,7 +15,7 @@ from structlog.testing import capture_logs
 from edl_agent.devices import ascend, hygon, kunlunxin
 from edl_agent.devices.hostroot import HostRoot, ToolError
 from edl_agent.devices.model import Health, Vendor, VendorReport
-from edl_agent.sim import ascend_tree, hygon_tree, kunlunxin_tree
+from edl_agent.sim import ascend_dcmi, ascend_tree, hygon_tree, kunlunxin_tree
 from edl_agent.sim.files import VENDOR_SLOT
 from edl_agent.sim.profile import load_profile, pci_bus_id
 from edl_agent.sim.tree import build_tree
@@ -85,7 +85,9 @@ def logs() -> Iterator[list[MutableMapping[str, Any]]]:
 
 
 def simulated(case: Case, tmp_path: Path) -> HostRoot:
+    """The profile's node, its NPUs read through npu-smi (DCMI discovery: tests/test_dcmi.py)."""
     build_tree(load_profile(case.profile), tmp_path)
+    ascend_dcmi.remove(tmp_path)
     return HostRoot.at(tmp_path)
 
 

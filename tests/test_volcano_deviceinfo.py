@@ -24,7 +24,9 @@ from edl_agent.health.state import DeviceState
 from edl_agent.health.tracker import Condition
 from edl_agent.kube import ApiError
 from edl_agent.labels.volcano_deviceinfo import (
+    BASE_DEVICE_INFOS,
     NpuReport,
+    base_device_infos,
     check_code,
     configmap,
     configmap_data,
@@ -292,16 +294,54 @@ def test_write_only_on_a_change_or_the_refresh() -> None:
     assert write_due(a, a, now=300.0, refresh_at=300.0)
 
 
+def test_base_device_infos_lists_every_npu_with_its_address() -> None:
+    with_ip = Device(
+        Vendor.ASCEND, "npu", 10, "ascend-npu10", "Ascend910B3", 65536,
+        attributes={"device_ip": "192.168.100.11"},
+    )  # fmt: skip
+    value = base_device_infos([npu(2), with_ip, npu(0, "Ascend310P3")])
+    assert value == (
+        '{"Ascend310P-0":{"IP":"","SuperDeviceID":0},'
+        '"Ascend910-10":{"IP":"192.168.100.11","SuperDeviceID":0},'
+        '"Ascend910-2":{"IP":"","SuperDeviceID":0}}'
+    )  # Go's map order: keys sorted as strings
+    assert base_device_infos([Device(Vendor.NVIDIA, "gpu", 0, "GPU-0", "H100", 1)]) is None
+
+
+def test_the_writer_annotates_the_node_once_per_inventory() -> None:
+    api, clock, conditions = FakeApi(), Clock(), {}
+    writer, state = writer_for(api, conditions, clock, [npu(0), npu(1)])
+    writer.sync()
+    assert json.loads(api.annotations[BASE_DEVICE_INFOS]) == {
+        "Ascend910-0": {"IP": "", "SuperDeviceID": 0},
+        "Ascend910-1": {"IP": "", "SuperDeviceID": 0},
+    }
+    conditions["ascend-npu1"] = fault("NPU_FAULT_0x80E18402")
+    state.set_unhealthy({"ascend-npu1"})
+    writer.sync()  # an unhealthy NPU is still one of the node's
+    assert [call[0] for call in api.calls].count("PATCH") == 1
+
+
 # --- the writer, on a fake API -------------------------------------------------------------------
 
 
 class FakeApi:
-    """ConfigMaps in memory, as the API server answers PUT and POST; `fail` makes calls fail."""
+    """ConfigMaps in memory, as the API server answers PUT and POST, and the Node's annotations
+    as a merge patch leaves them; `fail` makes calls fail."""
 
     def __init__(self) -> None:
         self.objects: dict[str, dict[str, Any]] = {}
+        self.annotations: dict[str, str] = {}
         self.calls: list[tuple[str, str]] = []
         self.fail = 0
+
+    def patch_node(self, name: str, patch: Mapping[str, Any]) -> dict[str, Any]:
+        self.calls.append(("PATCH", f"/api/v1/nodes/{name}"))
+        if self.fail:
+            self.fail -= 1
+            raise ApiError(503, "unavailable")
+        self.annotations.update(patch["metadata"]["annotations"])
+        return {"metadata": {"name": name, "annotations": dict(self.annotations)}}
 
     def request(
         self, method: str, path: str, body: Mapping[str, Any] | None = None, **_: Any
@@ -357,7 +397,8 @@ def test_created_then_replaced_only_on_a_change_or_the_refresh() -> None:
     writer, state = writer_for(api, conditions, clock, [npu(0), npu(1)])
     writer.sync()
     assert api.calls == [("PUT", f"/api/v1/namespaces/kube-system/configmaps/{NAME}"),
-                         ("POST", "/api/v1/namespaces/kube-system/configmaps")]  # fmt: skip
+                         ("POST", "/api/v1/namespaces/kube-system/configmaps"),
+                         ("PATCH", "/api/v1/nodes/node-a")]  # fmt: skip
     first = api.config(NAME)["DeviceInfo"]["UpdateTime"]
     clock.now += 10
     writer.sync()
@@ -376,6 +417,7 @@ def test_created_then_replaced_only_on_a_change_or_the_refresh() -> None:
     clock.now += 300
     writer.sync()  # the refresh: the same lists, a newer time
     assert writer.writes == 3
+    assert [call for call in api.calls if call[0] == "PATCH"] == [("PATCH", "/api/v1/nodes/node-a")]
     assert api.config(NAME)["DeviceInfo"]["UpdateTime"] == int(clock.now + WALL_OFFSET)
     assert api.calls[-1][0] == "PUT"
 

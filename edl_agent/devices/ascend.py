@@ -1,9 +1,12 @@
-"""Ascend NPU discovery: `/dev/davinci<N>` device nodes, facts from the `npu-smi info` table.
+"""Ascend NPU discovery: `/dev/davinci<N>` device nodes, facts from the driver's DCMI library
+where it answers (`dcmi`: no process started), else from the `npu-smi info` table.
 
 Ids are `ascend-npu<N>` (N from `/dev/davinci<N>`, the driver's device id): `npu-smi info` prints
 no serial number, and an id must not depend on the tool working. The table is read per field
 (`ascend_smi`): a chip whose cells cannot all be read keeps what could be, the rest is unknown,
-and discovery warns once with the cells it could not read.
+and discovery warns once with the cells it could not read. Both sources give the same records:
+DCMI's card and device ids are the table's NPU and Chip columns, its physical id the device
+index, its health value the Health word. `driver.health_source` says which one is used.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import re
 
 import structlog
 
+from edl_agent.devices import dcmi
 from edl_agent.devices.ascend_smi import (
     NpuHealth,
     NpuRecord,
@@ -39,6 +43,7 @@ __all__ = [
     "NpuSmiInfo",
     "NpuSmiParseError",
     "NpuTopo",
+    "device_id",
     "discover",
     "parse_npu_smi_health",
     "parse_npu_smi_info",
@@ -62,19 +67,28 @@ def discover(root: HostRoot) -> VendorReport | None:
     log = structlog.get_logger().bind(vendor=Vendor.ASCEND.value)
     nodes = _davinci_nodes(root)
     tool = root.which(TOOL)
-    if not nodes and tool is None:
+    library = dcmi.find_library(root)
+    if not nodes and tool is None and library is None:
         return None
-    info: NpuSmiInfo | None = None
-    error: str | None = None
-    if tool is not None:
+    info, source, error, library_error = None, TOOL, None, None
+    if library is not None:
+        try:
+            info, source = library_info(library), dcmi.HEALTH_SOURCE
+        except (OSError, dcmi.DcmiError) as exc:
+            library_error = str(exc)
+    if info is None and tool is not None:
         try:
             info = root.read_tool(tool, QUERY_ARGS, parse_npu_smi_info)
         except ToolError as exc:
             error = str(exc)
+    elif library_error is not None:
+        error = f"{dcmi.LIBRARY}: {library_error}"
     if not nodes and info is None:
         # npu-smi installed on a node without NPUs fails to reach the driver: nothing to report.
-        log.debug("ascend tool without devices", error=error)
+        log.debug("ascend tool without devices", error=error, library_error=library_error)
         return None
+    if library_error is not None and info is not None:
+        log.warning("ascend library failed; read through the tool", library_error=library_error)
     if error is not None:
         log.warning("ascend tool failed; listing devices from /dev only", error=error)
     if info is not None:
@@ -82,15 +96,47 @@ def discover(root: HostRoot) -> VendorReport | None:
 
     records = {record.index: record for record in info.npus} if info is not None else {}
     shared = tuple(node for node in SHARED_NODES if root.exists(node))
+    listed_by = source if info is not None else None
     devices = tuple(
-        _device(root, index, nodes.get(index), records.get(index), shared, tool_ok=info is not None)
+        _device(root, index, nodes.get(index), records.get(index), shared, listed_by=listed_by)
         for index in sorted(nodes.keys() | records.keys())
     )
     version = info.version if info is not None else None
     version = version or parse_version_info(root.read_optional(DRIVER_VERSION_FILE) or "")
     driver = {"driver_version": version} if version else {}
-    log.debug("ascend discovered", count=len(devices))
+    if info is not None:
+        driver["health_source"] = source
+    log.debug("ascend discovered", count=len(devices), health_source=driver.get("health_source"))
     return VendorReport(vendor=Vendor.ASCEND, devices=devices, driver=driver, error=error)
+
+
+def device_id(index: int) -> str:
+    """The id of the chip at /dev/davinci<index>."""
+    return f"ascend-npu{index}"
+
+
+def library_info(path: str) -> NpuSmiInfo:
+    """What `npu-smi info` would show, read through DCMI (DcmiError or OSError when it cannot)."""
+    chips = dcmi.open_library(path).chips(addresses=True)
+    return NpuSmiInfo(version=None, npus=tuple(record(chip) for chip in chips))
+
+
+def record(chip: dcmi.NpuChip) -> NpuRecord:
+    """A DCMI chip as the npu-smi table's record of it."""
+    return NpuRecord(
+        npu_id=chip.card,
+        chip_id=chip.device,
+        index=chip.phy_id,
+        name=chip.chip_name,
+        health=chip.health_word,
+        bus_id=chip.bus_id,
+        memory_mib=chip.memory_mib,
+        power_w=chip.power_w,
+        temperature_c=chip.temperature_c,
+        aicore_percent=chip.aicore_percent,
+        memory_used_mib=chip.memory_used_mib,
+        device_ip=chip.ip,
+    )
 
 
 def _davinci_nodes(root: HostRoot) -> dict[int, str]:
@@ -109,8 +155,9 @@ def _device(
     record: NpuRecord | None,
     shared: tuple[str, ...],
     *,
-    tool_ok: bool,
+    listed_by: str | None,
 ) -> Device:
+    """`listed_by`: the source whose list this is (None: /dev alone, the source failed)."""
     attributes: dict[str, str] = {}
     health = Health.HEALTHY
     if record is not None:
@@ -119,22 +166,23 @@ def _device(
             "health_text": record.health,
             "npu_id": record.npu_id,
             "chip_id": record.chip_id,
+            "device_ip": record.device_ip,
         }
         attributes.update({key: str(value) for key, value in known.items() if value is not None})
         if record.health is not None and record.health not in USABLE_HEALTH:
             health = Health.UNHEALTHY
     if node is None:
         health = Health.UNHEALTHY
-        attributes["problem"] = f"{TOOL} lists it but /dev/davinci{index} is missing"
-    elif record is None and tool_ok:
+        attributes["problem"] = f"{listed_by} lists it but /dev/davinci{index} is missing"
+    elif record is None and listed_by is not None:
         health = Health.UNHEALTHY
-        attributes["problem"] = f"/dev/davinci{index} exists but {TOOL} does not list it"
+        attributes["problem"] = f"/dev/davinci{index} exists but {listed_by} does not list it"
     bus_id = record.bus_id if record is not None else None
     return Device(
         vendor=Vendor.ASCEND,
         kind="npu",
         index=index,
-        id=f"ascend-npu{index}",
+        id=device_id(index),
         # What npu-smi does not tell (or cannot be read) is "unknown" and 0.
         product=(record.product if record is not None else None) or "unknown",
         memory_mib=(record.memory_mib if record is not None else None) or 0,

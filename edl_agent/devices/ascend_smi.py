@@ -50,6 +50,7 @@ class NpuRecord:
     temperature_c: float | None = None
     aicore_percent: float | None = None
     memory_used_mib: int | None = None  # of the same column as memory_mib
+    device_ip: str | None = None  # the RoCE port's address: DCMI tells it, the table does not
 
     @property
     def product(self) -> str | None:

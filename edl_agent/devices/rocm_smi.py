@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edl_agent.devices.hostroot import HostRoot
+from edl_agent.devices.library_cache import Opened
+from edl_agent.devices.library_cache import usable as library_usable
 
 LIBRARY = "librocm_smi64.so"
 HEALTH_SOURCE = "librocm_smi64"  # what VendorReport.driver["health_source"] says
@@ -272,27 +274,11 @@ class RocmSmi:
             raise RsmiError(call, status)
 
 
-_opened: dict[str, RocmSmi] = {}
-_opened_lock = threading.Lock()
-
-
-def open_library(path: str) -> RocmSmi:
-    """The process's initialised library at `path` (loaded and initialised on first use)."""
-    with _opened_lock:
-        library = _opened.get(path)
-        if library is None:
-            library = RocmSmi(path)
-            _opened[path] = library
-        return library
+open_library: Opened[RocmSmi] = Opened(RocmSmi)
 
 
 def usable(root: HostRoot) -> Path | None:
-    """The library under `root` when it loads, initialises and counts its devices; else None."""
-    path = find_library(root)
-    if path is None:
-        return None
-    try:
-        open_library(path).read_all()
-    except (OSError, RsmiError):
-        return None
-    return Path(path)
+    """The library under `root` when it loads, initialises and lists its devices; else None."""
+    return library_usable(
+        find_library(root), lambda path: open_library(path).read_all(), (OSError, RsmiError)
+    )

@@ -20,14 +20,12 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import replace
-from pathlib import Path
-
-import structlog
 
 from edl_agent.config import HealthSettings
 from edl_agent.devices import rocm_smi
 from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.model import Device, Vendor
+from edl_agent.health.library_first import LibraryFirst
 from edl_agent.health.model import DeviceTelemetry
 from edl_agent.health.vendor_readings import (
     Clock,
@@ -65,38 +63,16 @@ def poll_hygon_library(
         return _failed(Vendor.HYGON, "ROCM_SMI_FAILED", detail, clock())
 
 
-def poll_hygon_auto(
-    root: HostRoot,
-    devices: Sequence[Device],
-    settings: HealthSettings,
-    *,
-    clock: Clock = time.monotonic,
-) -> PollResult:
-    """The Hygon poller to run: through the library where the host has it and it answers, else
-    (that round) through `poll_hygon`'s tool. Logs the source whenever it changes."""
-    if rocm_smi.find_library(root) is not None:
-        result = poll_hygon_library(root, devices, settings, clock=clock)
-        if result.ok:
-            _source(root, HEALTH_SOURCE_LIBRARY)
-            return result
-        _source(root, HEALTH_SOURCE_TOOL, result.events[0].detail)
-    else:
-        _source(root, HEALTH_SOURCE_TOOL)
-    return poll_hygon(root, devices, settings, clock=clock)
-
-
-_sources: dict[Path, str] = {}
-
-
-def _source(root: HostRoot, source: str, why: str = "") -> None:
-    if _sources.get(root.root) == source:
-        return
-    _sources[root.root] = source
-    log = structlog.get_logger().bind(vendor=Vendor.HYGON.value)
-    if source == HEALTH_SOURCE_LIBRARY:
-        log.info("hygon health read through the library", source=source)
-    else:
-        log.info("hygon health read through the tool", source=source, library_error=why or None)
+# The Hygon poller to run: through the library where the host has it and it answers, else (that
+# round) through `poll_hygon`'s tool.
+poll_hygon_auto = LibraryFirst(
+    vendor=Vendor.HYGON,
+    find=rocm_smi.find_library,
+    library=poll_hygon_library,
+    tool=poll_hygon,
+    library_source=HEALTH_SOURCE_LIBRARY,
+    tool_source=HEALTH_SOURCE_TOOL,
+)
 
 
 def _poll_library(root: HostRoot, devices: Sequence[Device], at: float) -> PollResult:

@@ -22,11 +22,10 @@ import threading
 import time
 from collections.abc import Callable
 
-import structlog
-
 from edl_agent.devices import hygon, rocm_smi
 from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.model import Vendor
+from edl_agent.health.event_watch import EventsFailure, EventWatcher
 from edl_agent.health.model import ClearsBy, HealthEvent, Level
 
 EVENTS_FAILED = "ROCM_SMI_EVENTS_FAILED"
@@ -39,15 +38,14 @@ KINDS: dict[int, tuple[str, Level, ClearsBy]] = {
 WANTED = rocm_smi.event_mask(*KINDS, rocm_smi.EVT_GPU_POST_RESET)
 
 
-class EventsFailure(Exception):
-    """The event API cannot be used; the message is the health event's detail."""
-
-
-class RocmSmiWatcher:
+class RocmSmiWatcher(EventWatcher):
     """Turns rocm_smi events of the DCUs under `root` into HealthEvents: a supervised part,
     ready while its wait loop runs."""
 
     name = "rocm-smi-watch"
+    vendor = Vendor.HYGON
+    failed_reason = EVENTS_FAILED
+    known_errors = (rocm_smi.RsmiError,)
 
     def __init__(
         self,
@@ -56,30 +54,8 @@ class RocmSmiWatcher:
         *,
         wait_ms: int = 1000,
     ) -> None:
-        self.root = root
-        self.on_event = on_event
+        super().__init__(root, on_event)
         self.wait_ms = wait_ms
-        self._ready = False
-        self._failing = False
-        self._log = structlog.get_logger().bind(vendor=Vendor.HYGON.value, part=self.name)
-
-    @property
-    def ready(self) -> bool:
-        return self._ready
-
-    def run(self, stop: threading.Event, ready: Callable[[], None]) -> None:
-        """Collect events until `stop` (seen between waits). A failure is reported (once while
-        it lasts) and raised: the supervisor runs the watcher again after its backoff."""
-        try:
-            self._session(stop, ready)
-        except (EventsFailure, OSError, rocm_smi.RsmiError) as exc:
-            self._failed(str(exc))
-            raise
-        except Exception as exc:
-            self._failed(f"{type(exc).__name__}: {exc}")
-            raise
-        finally:
-            self._ready = False
 
     def _session(self, stop: threading.Event, ready: Callable[[], None]) -> None:
         path = rocm_smi.find_library(self.root)
@@ -95,7 +71,7 @@ class RocmSmiWatcher:
                 started.append(index)
             while not stop.is_set():
                 events = library.events_wait(self.wait_ms)
-                self._confirm_running(ready, len(started))
+                self._running(ready, "rocm_smi event loop running", devices=len(started))
                 for event in events:
                     self._handle(event, bus_ids)
         finally:
@@ -126,35 +102,3 @@ class RocmSmiWatcher:
                 clears_by=clears_by,
             )
         )
-
-    def _confirm_running(self, ready: Callable[[], None], devices: int) -> None:
-        if self._ready:
-            return
-        self._ready = True
-        ready()
-        self._log.info("rocm_smi event loop running", devices=devices)
-        if self._failing:
-            self._failing = False
-            self._emit(self._failure("rocm_smi event loop running again", cleared=True))
-
-    def _failed(self, detail: str) -> None:
-        if not self._failing:
-            self._failing = True
-            self._emit(self._failure(" ".join(detail.split()), cleared=False))
-
-    def _failure(self, detail: str, *, cleared: bool) -> HealthEvent:
-        return HealthEvent(
-            vendor=Vendor.HYGON,
-            device_id=None,
-            reason=EVENTS_FAILED,
-            level=Level.WARN,
-            at=time.monotonic(),
-            detail=detail,
-            cleared=cleared,
-        )
-
-    def _emit(self, event: HealthEvent) -> None:
-        try:
-            self.on_event(event)
-        except Exception:
-            self._log.exception("health event handler failed", reason=event.reason)

@@ -1,6 +1,7 @@
 """The polled vendors (Kunlunxin XPU, Hygon DCU, Ascend NPU): one `poll-<vendor>` part each, so
 a vendor tool that hangs holds up only its own vendor. Hygon is read through DTK's rocm_smi
-library where it answers (`hygon_library`), its tool otherwise.
+library where it answers (`hygon_library`), Ascend through the driver's DCMI library
+(`ascend_library`), each through its tool otherwise.
 
 A vendor tool sends no events: it is read every `health.poll_seconds` (the operator's choice,
 1 s by default, for the fault-to-Unhealthy time it buys). Each round reports the tool's health
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from edl_agent.config import HealthSettings
 from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.model import Vendor
+from edl_agent.health.ascend_library import poll_ascend_auto
 from edl_agent.health.hub import HealthHub
 from edl_agent.health.hygon_library import poll_hygon_auto
 from edl_agent.health.model import DeviceTelemetry
@@ -28,7 +30,10 @@ from edl_agent.runtime.supervisor import Every
 
 POLLED_REASON_PREFIXES = ("XPU_", "DCU_", "NPU_")
 # Vendors read through their library where it answers (each falls back to its tool by itself).
-LIBRARY_POLLERS: dict[Vendor, Poller] = {Vendor.HYGON: poll_hygon_auto}
+LIBRARY_POLLERS: dict[Vendor, Poller] = {
+    Vendor.HYGON: poll_hygon_auto,
+    Vendor.ASCEND: poll_ascend_auto,
+}
 
 
 class VendorPolls:

@@ -284,6 +284,14 @@ def _npu_finding(
         health, codes = detail.health, detail.codes
         if detail.information:
             note = f": {detail.information}"
+    return npu_finding(health, codes, note, settings)
+
+
+def npu_finding(
+    health: str, codes: tuple[int, ...], note: str, settings: HealthSettings
+) -> _Finding | None:
+    """The finding for a chip's health word and fault codes (None when they are healthy), with
+    `note` after what it lists."""
     level, code = classify_npu_fault(health, codes, settings.ascend_code_levels)
     if level is None:
         return None

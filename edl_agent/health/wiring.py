@@ -3,10 +3,11 @@ health hub with every part that feeds it or follows it (`NodeHealth`).
 
 `read_node` is all the disk the start needs: device discovery, the boot id, the quarantine an
 earlier run saved. `NodeHealth` builds on it without touching a disk (the restored quarantine is
-saved by the writer part once it runs), and `add_parts` hands its parts to the supervisor: the
-NVML watcher (on an NVIDIA node), rocm_smi's event watcher (on a Hygon node whose library
-loads), the quarantine writer, device-node presence and re-discovery,
-reset evidence, quiet periods, the vendor polls and remediation (when enabled).
+saved by the writer part once it runs), and `add_parts` hands its parts to the supervisor: the NVML
+watcher (on an NVIDIA node), rocm_smi's event watcher (on a Hygon node whose library loads),
+DCMI's fault-event watcher (on an Ascend node whose library loads), the quarantine writer,
+device-node presence and re-discovery, reset evidence, quiet periods, the vendor polls and
+remediation (when enabled).
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from edl_agent.config import Settings
 from edl_agent.devices.discovery import discover_node
 from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.model import Vendor
+from edl_agent.health.ascend_library import library_usable as dcmi_usable
 from edl_agent.health.classify import classify_xid
+from edl_agent.health.dcmi_watch import DcmiWatcher
 from edl_agent.health.hub import HealthHub
-from edl_agent.health.hygon_library import library_usable
+from edl_agent.health.hygon_library import library_usable as rocm_smi_usable
 from edl_agent.health.inventory_watch import InventoryWatch
 from edl_agent.health.nvml_watch import NvmlWatcher
 from edl_agent.health.presence_watch import PresenceRound
@@ -133,10 +136,13 @@ class NodeHealth:
             retry = Backoff(health.nvml_retry_seconds, health.nvml_retry_seconds)
             add(self.nvml, critical=False, backoff=retry, stop_seconds=NVML_STOP_SECONDS)
         vendors = {r.vendor for r in self.state.snapshot().inventory.reports}
-        if Vendor.HYGON in vendors and library_usable(self.root):
-            retry = Backoff(health.nvml_retry_seconds, health.nvml_retry_seconds)
+        retry = Backoff(health.nvml_retry_seconds, health.nvml_retry_seconds)
+        if Vendor.HYGON in vendors and rocm_smi_usable(self.root):
             watcher = RocmSmiWatcher(self.root, self.hub.report)
             add(watcher, critical=False, backoff=retry, stop_seconds=NVML_STOP_SECONDS)
+        if Vendor.ASCEND in vendors and dcmi_usable(self.root):
+            events = DcmiWatcher(self.root, self.hub.report, lambda: self._settings.health)
+            add(events, critical=False, backoff=retry, stop_seconds=NVML_STOP_SECONDS)
         if self.writer is not None:
             add(self.writer, critical=False)
         presence = PresenceRound(

@@ -22,6 +22,13 @@ A fault object's fields, in order: `fault_type` (`CardUnhealthy`), `npu_name`,
 severe of the NPU's), `fault_code` (hex codes without `0x`, upper case, comma-joined),
 `fault_time_and_level_map` (per code: `fault_time` in Unix milliseconds, `fault_level`).
 
+Beside it, the Node annotation `baseDeviceInfos` lists every NPU of the node, healthy or not, by
+the same name: `{"Ascend910-0":{"IP":"192.168.100.1","SuperDeviceID":0},...}` (Go's JSON, keys
+sorted). Volcano's Ascend plugin takes the node's NPUs from its keys when it keeps the available
+list itself (`self-maintain-available-card`, its default): the NPUs there, less those in use, less
+the `-Unhealthy` ones. `IP` is the chip's RoCE address (for the rank table; "" where discovery
+could not read one), `SuperDeviceID` 0 (no super-pod facts are read).
+
 Levels come from `health.ascend_fault_codes` (MindCluster's table, with the operator's
 `health.ascend_code_levels`); a code the table does not know, or an unhealthy NPU without a code,
 takes the level our own condition implies: out until reset → `RestartNPU`, out until a person
@@ -51,6 +58,7 @@ DEVICE_INFO_KEY = "DeviceInfoCfg"
 MANUALLY_SEPARATED_KEY = "ManuallySeparateNPU"
 UPGRADE_REASON_KEY = "UpgradeFaultReason"
 NOT_QUERIED = -2  # SuperPodID / ServerIndex when the super-pod facts were not read
+BASE_DEVICE_INFOS = "baseDeviceInfos"  # the Node annotation listing the node's NPUs
 CARD_UNHEALTHY = "CardUnhealthy"
 
 # MindCluster's levels, mildest first: a device's level is the most severe of its codes'.
@@ -245,6 +253,18 @@ def configmap_data(report: NpuReport, *, update_time: int, wall_offset: float) -
         MANUALLY_SEPARATED_KEY: ",".join(report.manually_separated),
         UPGRADE_REASON_KEY: "{}",
     }
+
+
+def base_device_infos(devices: Iterable[Device]) -> str | None:
+    """The `baseDeviceInfos` annotation's value for the node's Ascend NPUs of a known chip (None
+    without any): each by name, its RoCE address and super-device id."""
+    infos = {}
+    for device in devices:
+        family = ascend_family(device.product)
+        if device.vendor is Vendor.ASCEND and device.parent is None and family is not None:
+            address = device.attributes.get("device_ip", "")
+            infos[f"{family}-{device.index}"] = {"IP": address, "SuperDeviceID": 0}
+    return go_json(dict(sorted(infos.items()))) if infos else None
 
 
 def configmap(node: str, data: Mapping[str, str]) -> dict[str, Any]:

@@ -9,6 +9,9 @@ ConfigMap has not changed for 600 s; so `UpdateTime` rises by at least one secon
 without an Ascend NPU of a known chip gets no ConfigMap. A failed API call is logged and retried
 with backoff; the part is ready once the first write (or the finding that there is nothing to
 write) is done.
+
+It also keeps the Node's `baseDeviceInfos` annotation (the node's NPUs, which the plugin reads
+beside the ConfigMap): written at start and whenever the NPUs discovered change, never removed.
 """
 
 from __future__ import annotations
@@ -20,13 +23,15 @@ from typing import Any
 
 import structlog
 
-from edl_agent.health.state import DeviceState
+from edl_agent.health.state import DeviceState, Snapshot
 from edl_agent.health.tracker import Condition
 from edl_agent.kube import ApiError, NodeApi
 from edl_agent.labels.publisher import StatePoke
 from edl_agent.labels.volcano_deviceinfo import (
+    BASE_DEVICE_INFOS,
     NAMESPACE,
     NpuReport,
+    base_device_infos,
     configmap,
     configmap_data,
     configmap_name,
@@ -81,6 +86,7 @@ class VolcanoDeviceInfo:
         self.poke_event: threading.Event = StatePoke(state)
         self._node = state.snapshot().inventory.node
         self._written: NpuReport | None = None
+        self._annotated: str | None = None
         self._update_time: int | None = None
         self._refresh_at = 0.0
         self.writes = 0
@@ -116,8 +122,15 @@ class VolcanoDeviceInfo:
             forget()
 
     def sync(self) -> int:
-        """Compute the report and write it when due; returns the state version it read."""
+        """Compute the report and write it when due, then the node's annotation when it changed
+        (the ConfigMap first: it is what scheduling around faults needs); returns the state
+        version it read."""
         snapshot = self._state.snapshot()
+        self._write_report(snapshot)
+        self._annotate(base_device_infos(snapshot.inventory.devices))
+        return snapshot.version
+
+    def _write_report(self, snapshot: Snapshot) -> None:
         report = npu_report(
             devices=snapshot.inventory.devices,
             unhealthy=snapshot.unhealthy_all,
@@ -130,9 +143,9 @@ class VolcanoDeviceInfo:
             if self._refresh_at == 0.0:
                 self._log.info("no Ascend NPU of a known chip here: no device info to write")
             self._refresh_at = now + self._refresh_seconds  # look again then, or on a change
-            return snapshot.version
+            return
         if not write_due(report, self._written, now=now, refresh_at=self._refresh_at):
-            return snapshot.version
+            return
         wall = self._wall()
         update_time = next_update_time(wall, self._update_time)
         data = configmap_data(report, update_time=update_time, wall_offset=wall - now)
@@ -147,7 +160,15 @@ class VolcanoDeviceInfo:
             unhealthy=[name for family in report.families for name in family.unhealthy],
             reason="changed" if changed else "refresh",
         )
-        return snapshot.version
+
+    def _annotate(self, value: str | None) -> None:
+        """The Node's `baseDeviceInfos` annotation set to `value`, when it differs from the last
+        value set (None: no NPU to list, nothing written)."""
+        if value is None or value == self._annotated:
+            return
+        self._api.patch_node(self._node, {"metadata": {"annotations": {BASE_DEVICE_INFOS: value}}})
+        self._annotated = value
+        self._log.info("node annotation written", annotation=BASE_DEVICE_INFOS)
 
     def _write(self, body: Mapping[str, Any]) -> bool:
         """Replace the ConfigMap, or create it where there is none; True when created."""

@@ -7,6 +7,9 @@ where an NPU has several chips), laid out as the real tool lays it out for the p
 node (`ascend_layout`: npu-smi 20.x, 910B, Atlas A3, 310P). Each chip's health is the Health cell
 of its NPU row plus its health file: `set_npu_health` rewrites both, which is how a fault (a chip
 turning `Critical` with fault code 0x80E01801) is simulated.
+
+The node also has the driver's DCMI library (`ascend_dcmi`): `set_npu_health` changes what it
+reports and raises its fault events, and the stand-in's reset clears it too.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
+from edl_agent.sim import ascend_dcmi
 from edl_agent.sim.ascend_layout import (
     Layout,
     SimNpu,
@@ -59,7 +63,7 @@ case "$*" in
     done
     [ -n "$found" ] || { echo "Error: the device $npu does not exist." >&2; exit 1; }
     sed -i -E "s/^(\\| $npu +[^ ]+ *\\| ).{@WIDTH@}( \\|)/\\1@OK@\\2/" "$here/npu-smi.info.txt"
-    echo "Status : OK" ;;
+@DCMI_RESET@    echo "Status : OK" ;;
   *) echo "npu-smi (simulated): unsupported arguments: $*" >&2; exit 2 ;;
 esac
 """
@@ -134,8 +138,10 @@ def write(spec: AscendSpec, profile: Profile, root: Path) -> None:
         )
     width = health_width(layout)
     script = SCRIPT.replace("@WIDTH@", str(width)).replace("@OK@", "OK".ljust(width))
+    script = script.replace("@DCMI_RESET@", ascend_dcmi.reset_script_lines())
     write_file(root, TOOL, script, mode=0o755)
     write_file(root, HEALTH_OK_OUTPUT, npu_smi_health("OK"))
+    ascend_dcmi.install(root, npus, hbm=layout != "inference")
 
 
 def _health_path(npu: int, chip: int, *, multi_chip: bool) -> str:
@@ -235,6 +241,7 @@ def set_npu_health(
         chip_file if chip_file.is_file() else root / HEALTH_OUTPUT.format(npu=npu_id).lstrip("/")
     )
     health_file.write_text(npu_smi_health(health_text, codes), encoding="utf-8")
+    ascend_dcmi.set_chip(root, index, health_text, codes)
 
 
 def _fault_code(code: int | str) -> int:

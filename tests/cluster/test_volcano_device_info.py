@@ -1,7 +1,9 @@
 """The ConfigMap Volcano's Ascend scheduling reads, on a real API server: the agent's writer
-creates `kube-system/mindx-dl-deviceinfo-<node>` with its pod-bound token and the opt-in access of
-deploy/volcano (a Role in kube-system and an admission policy), replaces it on a fault with a
-CheckCode that matches, and that token is refused every other ConfigMap."""
+creates `kube-system/mindx-dl-deviceinfo-<node>` with its pod-bound token and the agent's access
+as deploy/volcano renders it (deploy/daemonset's, a Role in kube-system, the admission policies),
+replaces it on a fault with a CheckCode that matches, and that token is refused every other
+ConfigMap. The writer also sets the Node's `baseDeviceInfos` annotation, which the overlay's node
+policy allows and deploy/daemonset's alone refuses."""
 
 from __future__ import annotations
 
@@ -13,9 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from k8s_test_helpers import KwokCluster, wait_for
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+from manifests import kustomized
 from test_node_labels import FORBIDDEN, install_manifest, pod_bound_token, sa_client, status_of
 
 from edl_agent.devices.model import Device, Inventory, Vendor, VendorReport
@@ -29,7 +33,11 @@ from tests.parts import supervised
 
 pytestmark = pytest.mark.cluster
 
-MANIFEST = Path(__file__).resolve().parents[2] / "deploy" / "volcano" / "agent-volcano-rbac.yaml"
+VOLCANO = Path(__file__).resolve().parents[2] / "deploy" / "volcano"
+ACCESS = {"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"} | {
+    "ValidatingAdmissionPolicy",
+    "ValidatingAdmissionPolicyBinding",
+}
 SYSTEM = "kube-system"
 PREFIX = "mindx-dl-deviceinfo-"
 
@@ -68,12 +76,25 @@ def delete_quietly(core: client.CoreV1Api, name: str) -> None:
             raise
 
 
+def agent_access(folder: Path) -> Path:
+    """The agent's RBAC and admission policies as `kubectl kustomize deploy/volcano` renders
+    them, in one file for `install_manifest`."""
+    docs = [
+        doc
+        for doc in kustomized(VOLCANO)
+        if doc["kind"] in ACCESS and doc["metadata"]["name"].startswith("edl-agent")
+    ]
+    path = folder / "agent-volcano-access.yaml"
+    path.write_text(yaml.safe_dump_all(docs))
+    return path
+
+
 @pytest.fixture
-def npus(k8s: KwokCluster) -> Iterator[Npus]:
+def npus(k8s: KwokCluster, tmp_path: Path) -> Iterator[Npus]:
     node = k8s.create_gpu_node(wait_ready=False).metadata.name
     other = k8s.create_gpu_node(wait_ready=False).metadata.name
     k8s.create_service_account("edl-agent")
-    undo = install_manifest(k8s, MANIFEST)
+    undo = install_manifest(k8s, agent_access(tmp_path))
     api = sa_client(k8s.api, pod_bound_token(k8s, node))
     core = client.CoreV1Api(api)
 
@@ -84,8 +105,17 @@ def npus(k8s: KwokCluster) -> Iterator[Npus]:
             return exc.status == FORBIDDEN and "may only write the ConfigMap" in status_of(exc)[1]
         return False
 
+    def node_policy_denies_another_node() -> bool:
+        patch = {"metadata": {"annotations": {"baseDeviceInfos": "{}"}}}
+        try:
+            core.patch_node(other, patch, dry_run="All")
+        except ApiException as exc:
+            return exc.status == FORBIDDEN and "may only change the node" in status_of(exc)[1]
+        return False
+
     # RBAC and admission policies reach the API server's caches a moment after creation.
     wait_for("the admission policy to apply", policy_denies_another_node, bool, timeout=30)
+    wait_for("the node policy to apply", node_policy_denies_another_node, bool, timeout=30)
     inventory = Inventory(node, (VendorReport(Vendor.ASCEND, tuple(npu(i) for i in range(8))),), ())
     kube = KubeApi(api)
     state = DeviceState(inventory)
@@ -153,6 +183,30 @@ def test_created_then_updated_on_a_fault(npus: Npus) -> None:
     assert "Ascend910-5" not in cfg["DeviceInfo"]["DeviceList"]["huawei.com/Ascend910"]
     assert writer.writes == 2  # at start and on the fault: nothing else changed
     assert writer.failures == 0
+    annotations = npus.admin.core.read_node(npus.node).metadata.annotations
+    listed = json.loads(annotations["baseDeviceInfos"])
+    assert sorted(listed, key=lambda name: int(name.split("-")[1])) == [
+        f"Ascend910-{i}" for i in range(8)
+    ]  # every NPU, the faulty one too
+    assert listed["Ascend910-5"] == {"IP": "", "SuperDeviceID": 0}
+
+
+def test_the_node_policy_allows_base_device_infos_and_nothing_more(npus: Npus) -> None:
+    def patch(annotations: dict[str, str | None]) -> None:
+        npus.api.patch_node(npus.node, {"metadata": {"annotations": annotations}})
+
+    patch({"baseDeviceInfos": '{"Ascend910-0":{"IP":"","SuperDeviceID":0}}'})
+    patch({"baseDeviceInfos": "{}"})  # changed: allowed
+    refusals = [
+        ({"volcano.sh/other": "x"}, "baseDeviceInfos annotations"),
+        ({"baseDeviceInfos": None}, "baseDeviceInfos annotations"),  # removed
+    ]
+    for change, words in refusals:
+        with pytest.raises(ApiError) as denied:
+            patch(change)
+        assert denied.value.status == FORBIDDEN, change
+        assert words in str(denied.value), change
+    assert npus.admin.core.read_node(npus.node).metadata.annotations["baseDeviceInfos"] == "{}"
 
 
 def _read_or_none(npus: Npus) -> Any:
