@@ -121,6 +121,9 @@ class RemediationSettings:
             raise ValueError("interval_seconds: must be between 0.1 and 3600")
 
 
+POLLED_VENDORS = frozenset({"kunlunxin", "hygon", "ascend"})  # Vendor values read by polls
+
+
 @dataclass(frozen=True)
 class HealthSettings:
     xid_levels: dict[str, Literal["ignore", "warn", "device_fatal", "node_fatal"]] = section(
@@ -153,6 +156,12 @@ class HealthSettings:
         "How often Kunlunxin, Hygon and Ascend devices are polled for health, through their "
         "library where the node has it, else their tool (Ascend faults also arrive as events).",
     )
+    vendor_poll_seconds: dict[str, float] = section(
+        dict,
+        'A poll period of its own for some polled vendors, by name: {"kunlunxin": 5} reads '
+        "Kunlunxin's `xpu-smi` every 5 s (12 runs a minute instead of 60); the others keep "
+        "`poll_seconds`.",
+    )
     nvml_retry_seconds: float = setting(
         5.0, "Wait before trying again when NVML cannot be initialised or its event loop breaks."
     )
@@ -171,6 +180,10 @@ class HealthSettings:
         RemediationSettings, "Resets of idle quarantined devices by the agent (opt-in)."
     )
 
+    def poll_seconds_of(self, vendor: str) -> float:
+        """The poll period of `vendor` (a Vendor value)."""
+        return self.vendor_poll_seconds.get(vendor, self.poll_seconds)
+
     def check(self) -> None:
         bounds = {
             "quiet_seconds": 30 * 86400,
@@ -182,6 +195,13 @@ class HealthSettings:
         for key, most in bounds.items():
             if not 0 < getattr(self, key) <= most:
                 raise ValueError(f"{key}: must be positive and at most {most}")
+        for vendor, seconds in self.vendor_poll_seconds.items():
+            if vendor not in POLLED_VENDORS:
+                known = ", ".join(sorted(POLLED_VENDORS))
+                raise ValueError(f"vendor_poll_seconds: {vendor!r} is not one of {known}")
+            if not 0 < seconds <= bounds["poll_seconds"]:
+                msg = f"vendor_poll_seconds.{vendor}: must be positive and at most 3600"
+                raise ValueError(msg)
         check_code_keys("xid_levels", self.xid_levels, ascend=False)
         check_code_keys("ascend_code_levels", self.ascend_code_levels, ascend=True)
         check_code_keys("xid_clears_by", self.xid_clears_by, ascend=False)

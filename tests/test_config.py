@@ -272,3 +272,16 @@ def test_every_edl_variable_our_scripts_read_is_a_setting_or_known_not_to_be_one
     in_containers = {"EDL_CLAIM_UID"}  # given to containers and read in a test's pod
     for name in sorted(names - NON_SETTING_ENV - in_containers):
         load_settings(environ={name: "/x"})  # a setting: read, not refused
+
+
+@pytest.mark.parametrize(
+    ("value", "refusal"),
+    [
+        ({"nvidia": 1}, r"'nvidia' is not one of ascend, hygon, kunlunxin"),
+        ({"kunlunxin": 0}, r"vendor_poll_seconds\.kunlunxin: must be positive"),
+        ({"hygon": 7200}, r"vendor_poll_seconds\.hygon: must be positive and at most 3600"),
+    ],
+)
+def test_a_vendors_own_poll_period_is_checked(value: dict[str, float], refusal: str) -> None:
+    with pytest.raises(ConfigError, match=refusal):
+        load_settings(overrides={"health": {"vendor_poll_seconds": value}})

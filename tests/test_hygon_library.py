@@ -5,6 +5,7 @@ fallback. Also: Kunlunxin's poll starts xpu-smi once a round for all XPUs."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 from pathlib import Path
 
 import pytest
@@ -223,3 +224,15 @@ def test_the_agents_hygon_poll_reads_the_library(tmp_path: Path) -> None:
     assert hy_smi_runs() == before
     faulty = [d.id for d in state.snapshot().inventory.devices if d.index == 2]
     assert list(hub.unhealthy()) == faulty
+
+
+def test_a_vendor_may_have_a_poll_period_of_its_own(tmp_path: Path) -> None:
+    build_tree(load_profile("kunlun-p800x8"), tmp_path)
+    own = {"vendor_poll_seconds": {"kunlunxin": 5}}
+    settings = load_settings(overrides={"host_root": str(tmp_path), "health": own})
+    state = DeviceState(discover_node(settings))
+    hub = HealthHub(state, settings.health, boot_id="boot-1")
+    polls = VendorPolls(hub, state, HostRoot.at(tmp_path), settings.health)
+    (part,) = polls.parts(threading.Event)
+    assert (part.name, part.interval()) == ("poll-kunlunxin", 5.0)
+    assert settings.health.poll_seconds_of("hygon") == settings.health.poll_seconds == 1.0

@@ -4,7 +4,8 @@ library where it answers (`hygon_library`), Ascend through the driver's DCMI lib
 (`ascend_library`), each through its tool otherwise.
 
 A vendor tool sends no events: it is read every `health.poll_seconds` (the operator's choice,
-1 s by default, for the fault-to-Unhealthy time it buys). Each round reports the tool's health
+1 s by default, for the fault-to-Unhealthy time it buys; `health.vendor_poll_seconds` sets a
+vendor's own). Each round reports the tool's health
 events to the hub, keeps its telemetry for /metrics, and tells the hub which polled conditions a
 working poll no longer shows: the vendors' drivers hold a reset-class fault (an NPU's RestartNPU
 code, an XPU/DCU `Fault` state, a volatile ECC count) until the device is reset, so a device the
@@ -52,7 +53,7 @@ class VendorPolls:
         return [
             Every(
                 f"poll-{vendor.value}",
-                lambda: self._settings.poll_seconds,
+                functools.partial(self._settings.poll_seconds_of, vendor.value),
                 functools.partial(self.poll, vendor),
                 waker(),
             )
