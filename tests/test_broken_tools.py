@@ -42,7 +42,10 @@ def node(tmp_path: Path, vendor: Vendor) -> tuple[Path, Inventory]:
     profile, _, _ = VENDORS[vendor]
     tree = tmp_path / "node"
     build_tree(load_profile(profile), tree)
-    ascend_dcmi.remove(tree)  # NPUs through npu-smi: the tool is what these tests break
+    # Through the tools alone, which these tests break: without DCMI, and without rocm_smi (with
+    # it, Hygon's rediscovery reuses hy-smi's last report while the cards stay the same).
+    ascend_dcmi.remove(tree)
+    (tree / hygon_tree.LIBRARY.lstrip("/")).unlink(missing_ok=True)
     return tree, discover_node(settings(tree))
 
 

@@ -236,3 +236,28 @@ def test_a_vendor_may_have_a_poll_period_of_its_own(tmp_path: Path) -> None:
     (part,) = polls.parts(threading.Event)
     assert (part.name, part.interval()) == ("poll-kunlunxin", 5.0)
     assert settings.health.poll_seconds_of("hygon") == settings.health.poll_seconds == 1.0
+
+
+def test_rediscovery_with_the_library_starts_hy_smi_only_when_the_cards_change(
+    tmp_path: Path,
+) -> None:
+    root, devices = node(tmp_path)
+    runs = hy_smi_runs()
+    for _ in range(3):
+        report = hygon.discover(root)
+        assert report is not None
+        assert [d.id for d in report.devices] == [d.id for d in devices]
+        assert report.devices[0].product == devices[0].product != "unknown"
+    assert hy_smi_runs() == runs  # the first discovery's report, reused
+
+    card = root.path("/sys/class/drm/card8")  # the last DCU's card (card0 is the BMC's)
+    card.rename(card.with_name("gone"))
+    report = hygon.discover(root)
+    assert report is not None
+    assert hy_smi_runs() == runs + 1  # the cards changed: the tool runs again
+    assert len(report.devices) == len(devices)  # hy-smi still lists it: advertised Unhealthy
+
+    root.path(hygon_tree.LIBRARY).unlink()  # without the library the tool runs every time
+    hygon.discover(root)
+    hygon.discover(root)
+    assert hy_smi_runs() == runs + 3

@@ -4,7 +4,8 @@ on older DTK nodes without it, DTK's `rocm-smi`), read per field by `hygon_smi`.
 A DCU's index is its position among the Hygon cards in DRM card order (what hy-smi calls
 `HCU[i]`/`card<i>`), not the card number: servers usually have a BMC VGA adapter as `card0`.
 Ids are `hygon-dcu-<pci bus id>`, read from sysfs, so they do not depend on hy-smi working and do
-not shift when another card disappears.
+not shift when another card disappears. Where DTK's rocm_smi library reads health, the tool runs
+again only when the cards change (`_reports`).
 """
 
 from __future__ import annotations
@@ -98,6 +99,13 @@ def health_source(root: HostRoot, tool: Path | None) -> str:
     return tool.name if tool is not None else TOOL
 
 
+# The tool's facts (product names, memory, driver version) change only with the cards. Where the
+# rocm_smi library reads health, a rediscovery that finds the same cards reuses the tool's last
+# report instead of starting it again, so an idle node starts no process; new, gone or moved
+# cards, or a library that stops answering, run the tool again. One report per host root.
+_reports: dict[Path, dict[tuple[str, ...], HySmiReport]] = {}
+
+
 @dataclass(frozen=True)
 class _Card:
     """A Hygon DRM card as sysfs shows it."""
@@ -116,11 +124,18 @@ def discover(root: HostRoot) -> VendorReport | None:
         return None
     report: HySmiReport | None = None
     error: str | None = None
-    if tool is not None:
+    source = health_source(root, tool)
+    seen = tuple(sorted(card.bus_id or f"card{card.number}" for card in cards.values()))
+    if tool is not None and source == rocm_smi.HEALTH_SOURCE:
+        report = _reports.get(root.root, {}).get(seen)
+    if tool is not None and report is None:
         try:
             report = root.read_tool(tool, QUERY_ARGS, parse_hy_smi_json)
         except ToolError as exc:
             error = str(exc)
+        else:
+            if source == rocm_smi.HEALTH_SOURCE:
+                _reports[root.root] = {seen: report}
     if not cards and report is None:
         log.debug("hygon tool without devices", error=error)
         return None
@@ -147,7 +162,7 @@ def discover(root: HostRoot) -> VendorReport | None:
     driver = {}
     if report is not None and report.driver_version:
         driver["driver_version"] = report.driver_version
-    driver["health_source"] = health_source(root, tool)
+    driver["health_source"] = source
     log.debug("hygon discovered", count=len(devices), health_source=driver["health_source"])
     return VendorReport(vendor=Vendor.HYGON, devices=devices, driver=driver, error=error)
 
