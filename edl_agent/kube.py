@@ -161,12 +161,16 @@ def _from_kubeconfig(
     path: str, name: str, configuration: client.Configuration, *, explicit: bool
 ) -> client.ApiClient:
     import yaml
+    from kubernetes import client as kube_client
     from kubernetes import config as kube_config
+    from kubernetes.config import kube_config as loader_files
 
     try:
-        api: client.ApiClient = kube_config.new_client_from_config(  # type: ignore[no-untyped-call]
+        kube_config.load_kube_config(  # type: ignore[no-untyped-call]
             config_file=path, client_configuration=configuration, persist_config=False
         )
+        _keep_in_memory(configuration, loader_files._temp_files)
+        api: client.ApiClient = kube_client.ApiClient(configuration=configuration)
     except (
         kube_config.ConfigException,
         ValueError,
@@ -181,6 +185,30 @@ def _from_kubeconfig(
         msg = f"{name}: cannot use {path}: {why}"
         raise KubeConfigError(msg) from None
     return api
+
+
+def _keep_in_memory(configuration: client.Configuration, copies: dict[str, str]) -> None:
+    """The kubernetes client writes a kubeconfig's certificate-authority-data (and client
+    certificate and key data) to temporary files that only a clean exit removes: a killed agent
+    would leave them behind. Each moves into an anonymous memory file kept for the process's
+    life, and the copy on disk goes at once. `copies` is the loader's record of its files (by
+    content), which must not hand out a removed one again. Where memory files are unavailable the
+    copies stay, as the client made them."""
+    made = set(copies.values())
+    for field in ("ssl_ca_cert", "cert_file", "key_file"):
+        path = getattr(configuration, field, None)
+        if not path or path not in made:
+            continue
+        try:
+            fd = os.memfd_create(f"kubeconfig-{field}", os.MFD_CLOEXEC)
+        except (AttributeError, OSError):
+            return
+        with open(path, "rb") as copy:  # noqa: PTH123 - the client's own file
+            os.write(fd, copy.read())
+        setattr(configuration, field, f"/proc/self/fd/{fd}")
+        os.unlink(path)  # noqa: PTH108
+        for key in [key for key, value in copies.items() if value == path]:
+            del copies[key]
 
 
 def is_file(path: Path) -> bool:
