@@ -19,13 +19,14 @@ Prints one `name value unit` line per figure.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -94,17 +95,52 @@ def measure(
     recover: Callable[[Path, int], None],
     injections: int,
     poll_seconds: float,
+    prepare: Callable[[Path], None] | None = None,
 ) -> list[float]:
+    """Seconds from each `fault` to the device Unhealthy in ListAndWatch (`recover` after each,
+    waiting for Healthy); `prepare` changes the tree before the agent starts."""
+    with agent_on(profile, resource, poll_seconds=poll_seconds, prepare=prepare) as (tree, kubelet):
+        watch = kubelet.watch(resource)
+        count = len(watch.next(timeout=10).devices)
+        seconds = []
+        rng = random.Random(11)  # noqa: S311 - a repeatable sample, not a secret
+        for i in range(injections):
+            device = i % count
+            # A random phase against the poll loop, else every fault lands at the same point of
+            # the interval (just after the poll that saw the last recovery).
+            time.sleep(rng.uniform(0, poll_seconds))
+            started = time.perf_counter()
+            fault(tree, device)
+            watch.until(lambda u: _unhealthy(u) == 1, timeout=10 + 3 * poll_seconds)
+            seconds.append(time.perf_counter() - started)
+            recover(tree, device)
+            watch.until(lambda u: _unhealthy(u) == 0, timeout=10 + 3 * poll_seconds)
+        watch.cancel()
+    return seconds
+
+
+@contextlib.contextmanager
+def agent_on(
+    profile: str,
+    resource: str,
+    *,
+    poll_seconds: float,
+    metrics_addr: str = "127.0.0.1:0",
+    prepare: Callable[[Path], None] | None = None,
+) -> Iterator[tuple[Path, KubeletStandIn]]:
+    """`edl-agent run` on a simulated `profile` (its tree changed by `prepare` first) beside a
+    kubelet stand-in, once `resource` is registered: (the tree, the stand-in)."""
     with tempfile.TemporaryDirectory(prefix="edl-bench-") as tmp:
         tree = Path(tmp) / "node"
-        loaded = load_profile(profile)
-        build_tree(loaded, tree)
+        build_tree(load_profile(profile), tree)
+        if prepare is not None:
+            prepare(tree)
         kubelet = KubeletStandIn(Path(tmp) / "kubelet")
         kubelet.start()
         agent = subprocess.Popen(
             [
                 sys.executable, "-m", "edl_agent.cli", "run", "--host-root", str(tree),
-                "--kubelet-dir", str(kubelet.directory), "--metrics-addr", "127.0.0.1:0",
+                "--kubelet-dir", str(kubelet.directory), "--metrics-addr", metrics_addr,
                 "--state-dir", str(Path(tmp) / "state"), "--log-level", "error",
                 "--set", f"health.poll_seconds={poll_seconds}",
                 "--set", "health.quiet_seconds=0.001",
@@ -113,27 +149,11 @@ def measure(
         )  # fmt: skip
         try:
             kubelet.wait_registered({resource}, timeout=60)
-            watch = kubelet.watch(resource)
-            count = len(watch.next(timeout=10).devices)
-            seconds = []
-            rng = random.Random(11)  # noqa: S311 - a repeatable sample, not a secret
-            for i in range(injections):
-                device = i % count
-                # A random phase against the poll loop, else every fault lands at the same
-                # point of the interval (just after the poll that saw the last recovery).
-                time.sleep(rng.uniform(0, poll_seconds))
-                started = time.perf_counter()
-                fault(tree, device)
-                watch.until(lambda u: _unhealthy(u) == 1, timeout=10 + 3 * poll_seconds)
-                seconds.append(time.perf_counter() - started)
-                recover(tree, device)
-                watch.until(lambda u: _unhealthy(u) == 0, timeout=10 + 3 * poll_seconds)
-            watch.cancel()
+            yield tree, kubelet
         finally:
             agent.terminate()
             agent.wait(timeout=20)
             kubelet.stop()
-    return seconds
 
 
 def _unhealthy(update: object) -> int:

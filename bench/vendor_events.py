@@ -24,12 +24,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import random
 import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -41,9 +38,9 @@ from prometheus_client.parser import text_string_to_metric_families
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+import polled_bench  # noqa: E402
+
 from edl_agent.sim import ascend_dcmi, ascend_tree  # noqa: E402
-from edl_agent.sim.profile import load_profile  # noqa: E402
-from edl_agent.sim.tree import build_tree  # noqa: E402
 from tests.kubelet_standin import KubeletStandIn  # noqa: E402
 
 RESTART_NPU = 0x8C03A000
@@ -96,7 +93,7 @@ def main() -> int:
 
     for name, profile, resource, library in IDLE_NODES:
         log(f"{profile} ({name}): idle for {window:g} s")
-        with agent_on(profile, resource, library=library, poll_seconds=args.poll_seconds) as node:
+        with idle_node(profile, resource, library=library, poll_seconds=args.poll_seconds) as node:
             time.sleep(3.0)  # settle: the first polls and the start's discovery are over
             before = node.tool_runs()
             time.sleep(window)
@@ -107,51 +104,28 @@ def main() -> int:
 
 
 def fault_latencies(library: bool, injections: int, poll_seconds: float) -> list[float]:
-    seconds = []
-    with agent_on("ascend-910bx8", NPU_RESOURCE, library=library, poll_seconds=poll_seconds) as n:
-        watch = n.kubelet.watch(NPU_RESOURCE)
-        count = len(watch.next(timeout=10).devices)
-        rng = random.Random(11)  # noqa: S311 - a repeatable sample, not a secret
-        for i in range(injections):
-            chip = i % count
-            time.sleep(rng.uniform(0, poll_seconds))
-            started = time.perf_counter()
-            ascend_tree.set_npu_health(n.tree, chip, "Critical", [RESTART_NPU])
-            watch.until(lambda u: _unhealthy(u) == 1, timeout=10 + 3 * poll_seconds)
-            seconds.append(time.perf_counter() - started)
-            ascend_tree.set_npu_health(n.tree, chip, "OK")
-            watch.until(lambda u: _unhealthy(u) == 0, timeout=10 + 3 * poll_seconds)
-        watch.cancel()
-    return seconds
+    return polled_bench.measure(
+        profile="ascend-910bx8",
+        resource=NPU_RESOURCE,
+        fault=lambda tree, chip: ascend_tree.set_npu_health(tree, chip, "Critical", [RESTART_NPU]),
+        recover=lambda tree, chip: ascend_tree.set_npu_health(tree, chip, "OK"),
+        injections=injections,
+        poll_seconds=poll_seconds,
+        prepare=None if library else ascend_dcmi.remove,
+    )
 
 
 @contextlib.contextmanager
-def agent_on(profile: str, resource: str, *, library: bool, poll_seconds: float) -> Iterator[Node]:
-    with tempfile.TemporaryDirectory(prefix="edl-bench-") as tmp:
-        tree = Path(tmp) / "node"
-        build_tree(load_profile(profile), tree)
-        if not library:
-            ascend_dcmi.remove(tree)
-        kubelet = KubeletStandIn(Path(tmp) / "kubelet")
-        kubelet.start()
-        port = _free_port()
-        agent = subprocess.Popen(
-            [
-                sys.executable, "-m", "edl_agent.cli", "run", "--host-root", str(tree),
-                "--kubelet-dir", str(kubelet.directory), "--metrics-addr", f"127.0.0.1:{port}",
-                "--state-dir", str(Path(tmp) / "state"), "--log-level", "error",
-                "--set", f"health.poll_seconds={poll_seconds}",
-                "--set", "health.quiet_seconds=0.001",
-            ],
-            cwd=REPO, stdout=subprocess.DEVNULL,
-        )  # fmt: skip
-        try:
-            kubelet.wait_registered({resource}, timeout=60)
-            yield Node(tree, kubelet, port)
-        finally:
-            agent.terminate()
-            agent.wait(timeout=20)
-            kubelet.stop()
+def idle_node(profile: str, resource: str, *, library: bool, poll_seconds: float) -> Iterator[Node]:
+    port = _free_port()
+    with polled_bench.agent_on(
+        profile,
+        resource,
+        poll_seconds=poll_seconds,
+        metrics_addr=f"127.0.0.1:{port}",
+        prepare=None if library else ascend_dcmi.remove,
+    ) as (tree, kubelet):
+        yield Node(tree, kubelet, port)
 
 
 def _free_port() -> int:
@@ -159,10 +133,6 @@ def _free_port() -> int:
         probe.bind(("127.0.0.1", 0))
         port: int = probe.getsockname()[1]
         return port
-
-
-def _unhealthy(update: object) -> int:
-    return sum(d.health != "Healthy" for d in getattr(update, "devices", []))
 
 
 def ms(seconds: float) -> str:

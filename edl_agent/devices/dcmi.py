@@ -19,6 +19,7 @@ import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from edl_agent.devices import library_cache
 from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.library_cache import Opened
 from edl_agent.devices.library_cache import usable as library_usable
@@ -48,7 +49,6 @@ _ERRORS = {
 }
 # dcmi_get_device_health: the words npu-smi prints in its Health column for the same values.
 HEALTH_WORDS = {0: "OK", 1: "Warning", 2: "Alarm", 3: "Critical"}
-SEVERITY_WORDS = HEALTH_WORDS  # an event's severity: 0 warning, 1 minor, 2 major, 3 critical
 ASSERT_RECOVERED = 0
 ASSERT_RAISED = 1
 ASSERT_ONCE = 2
@@ -196,11 +196,7 @@ class FaultEvent:
 
 def find_library(root: HostRoot) -> str | None:
     """The local path of the DCMI library under `root`, if it has one."""
-    for directory in LIBRARY_DIRS:
-        candidate = root.path(f"{directory}/{LIBRARY}")
-        if candidate.is_file():
-            return str(candidate)
-    return None
+    return library_cache.find(root, LIBRARY_DIRS, LIBRARY)
 
 
 class Dcmi:

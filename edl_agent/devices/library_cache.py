@@ -1,6 +1,6 @@
-"""Vendor libraries loaded in-process (rocm_smi, DCMI): each is loaded and initialised once per
-process and path, then shared (their init calls are process-wide, and a loaded file stays mapped
-for the life of the process anyway)."""
+"""Vendor libraries loaded in-process (rocm_smi, DCMI), found under the host root: each is loaded
+and initialised once per process and path, then shared (their init calls are process-wide, and a
+loaded file stays mapped for the life of the process anyway)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Generic, TypeVar
+
+from edl_agent.devices.hostroot import HostRoot
 
 Library = TypeVar("Library")
 
@@ -28,6 +30,16 @@ class Opened(Generic[Library]):
                 library = self._load(path)
                 self._opened[path] = library
             return library
+
+
+def find(root: HostRoot, directories: tuple[str, ...], name: str) -> str | None:
+    """The local path of library `name` in the first of `directories` (host paths) under `root`
+    that has it."""
+    for directory in directories:
+        candidate = root.path(f"{directory}/{name}")
+        if candidate.is_file():
+            return str(candidate)
+    return None
 
 
 def usable(

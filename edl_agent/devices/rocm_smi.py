@@ -17,6 +17,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from edl_agent.devices import library_cache
 from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.library_cache import Opened
 from edl_agent.devices.library_cache import usable as library_usable
@@ -131,11 +132,7 @@ def status_name(status: int) -> str:
 
 def find_library(root: HostRoot) -> str | None:
     """The local path of DTK's rocm_smi library under `root`, if it has one."""
-    for directory in LIBRARY_DIRS:
-        candidate = root.path(f"{directory}/{LIBRARY}")
-        if candidate.is_file():
-            return str(candidate)
-    return None
+    return library_cache.find(root, LIBRARY_DIRS, LIBRARY)
 
 
 def bus_id_of(bdfid: int) -> str:
