@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Mapping
+from pathlib import Path
 
 Figures = Mapping[str, tuple[float, str]]  # figure name → (value, unit)
 
@@ -21,3 +24,21 @@ def print_side_by_side(prefix: str, ours: Figures, theirs: Figures) -> None:
         print(f"{prefix}_{key}_theirs {other:.6g} {unit}")
         ratio = value / other if other > 0 else float("nan")
         print(f"{prefix}_{key}_ratio {ratio:.3f} ratio")
+
+
+def run_test_for_figures(repo: Path, test: str, env: Mapping[str, str], tag: str) -> None:
+    """Run pytest on `test` (it writes its figures where `env` says); exit 1 with the end of its
+    output when it fails."""
+    print(f"[{tag}] pytest {test}", file=sys.stderr, flush=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
+        cwd=repo,
+        env=dict(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        print(done.stdout[-4000:], file=sys.stderr)
+        raise SystemExit(1)

@@ -30,6 +30,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from benchstats import run_test_for_figures
+
 REPO = Path(__file__).resolve().parent.parent
 TEST = "tests/cluster/test_training.py"
 
@@ -42,18 +44,8 @@ def one_round(number: int) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="edl-training-bench-") as scratch:
         figures = Path(scratch) / "figures.json"
         env = {**os.environ, "TRAINING_FIGURES_FILE": str(figures)}
-        print(f"[training_faults] round {number}: pytest {TEST}", file=sys.stderr, flush=True)
-        done = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", TEST],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            check=False,
-        )
-        if done.returncode != 0 or not figures.exists():
-            print(done.stdout[-4000:], file=sys.stderr)
+        run_test_for_figures(REPO, TEST, env, f"training_faults round {number}")
+        if not figures.exists():
             raise SystemExit(1)
         rounds: list[dict[str, Any]] = json.loads(figures.read_text())
         return rounds

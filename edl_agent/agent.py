@@ -147,6 +147,7 @@ class Agent:
             state=self.state,
             root=self.root,
             unhealthy=self.hub.unhealthy,
+            degraded=self.hub.degraded,
             on_cordon=self.marks.cordon,
             on_release=self.marks.release,
             monitors=self.hub.monitor_failures,
@@ -178,7 +179,7 @@ class Agent:
             state=self.state,
             root=self.root,
             api=api,
-            reasons=lambda: {d: c.reason for d, c in self.hub.unhealthy().items()},
+            reasons=self._reasons,
             pods=self.pods,
             supervisor=self.supervisor,
             hub=self.hub,
@@ -229,6 +230,11 @@ class Agent:
 
     def unhealthy(self) -> dict[str, Condition]:
         return self.hub.unhealthy()
+
+    def _reasons(self) -> dict[str, str]:
+        """Device id → the reason it is unhealthy, or degraded (DRA's health and taints)."""
+        found = {**self.hub.degraded(), **self.hub.unhealthy()}
+        return {device_id: condition.reason for device_id, condition in found.items()}
 
     def wait_ready(self, timeout: float) -> bool:
         """True once the first plugin round has served every resource."""

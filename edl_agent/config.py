@@ -24,6 +24,7 @@ from edl_agent.devices.settings import (
 )
 from edl_agent.errors import shorten
 from edl_agent.fault_codes import check_code_keys
+from edl_agent.health_settings import DegradedSettings, RemediationSettings
 from edl_agent.settings_loader import LogFormat, LogLevel, load_layers, section, setting
 
 RESOURCE_NAME = re.compile(
@@ -77,63 +78,23 @@ class PluginSettings:
             raise ValueError("rediscover_seconds: must be between 1 and 86400")
 
 
-def _default_reset_commands() -> dict[str, list[str]]:
-    return {
-        "nvidia": ["nvidia-smi", "--gpu-reset", "-i", "{index}"],
-        "ascend": ["npu-smi", "set", "-t", "reset", "-i", "{npu_id}", "-c", "{chip_id}"],
-    }
-
-
-@dataclass(frozen=True)
-class RemediationSettings:
-    enabled: bool = setting(
-        False,
-        "Reset quarantined devices the agent finds idle (held by no pod). Off by default: a "
-        "reset is an action on the node, and an operator opts in to it.",
-    )
-    commands: dict[str, list[str]] = section(
-        _default_reset_commands,
-        "The reset command per vendor, its first word a tool found under the host root; `{index}` "
-        "is the device's index and `{NAME}` any of its attributes (`discover` lists them, e.g. "
-        "Ascend's `{npu_id}` and `{chip_id}`). A device lacking one is not reset. Vendors "
-        "without a command are never reset by the agent.",
-    )
-    max_per_hour: int = setting(4, "Resets per node in any hour; one device at a time.")
-    max_attempts: int = setting(
-        3, "Failed resets of one device before it waits for an operator's release instead."
-    )
-    timeout_seconds: float = setting(300.0, "How long one reset command may run.")
-    interval_seconds: float = setting(30.0, "How often idle quarantined devices are looked for.")
-
-    def check(self) -> None:
-        for vendor, command in self.commands.items():
-            if vendor not in {"nvidia", "kunlunxin", "hygon", "ascend"}:
-                raise ValueError(f"commands: {vendor!r} is not a vendor")
-            if not command or not command[0].strip() or "/" in command[0]:
-                raise ValueError(f"commands.{vendor}: the first word must be a tool name")
-        if not 1 <= self.max_per_hour <= 3600:
-            raise ValueError("max_per_hour: must be between 1 and 3600")
-        if not 1 <= self.max_attempts <= 100:
-            raise ValueError("max_attempts: must be between 1 and 100")
-        if not 1 <= self.timeout_seconds <= 3600:
-            raise ValueError("timeout_seconds: must be between 1 and 3600")
-        if not 0.1 <= self.interval_seconds <= 3600:
-            raise ValueError("interval_seconds: must be between 0.1 and 3600")
-
-
 POLLED_VENDORS = frozenset({"kunlunxin", "hygon", "ascend"})  # Vendor values read by polls
 
 
 @dataclass(frozen=True)
 class HealthSettings:
-    xid_levels: dict[str, Literal["ignore", "warn", "device_fatal", "node_fatal"]] = section(
-        dict, 'Overrides of the XID table, e.g. {"31": "device_fatal", "94": "warn"}.'
-    )
-    ascend_code_levels: dict[str, Literal["ignore", "warn", "device_fatal", "node_fatal"]] = (
+    xid_levels: dict[str, Literal["ignore", "warn", "degraded", "device_fatal", "node_fatal"]] = (
         section(
             dict,
-            'Overrides of the Ascend fault-code table, by hex code: {"0x80E01801": "node_fatal"}.',
+            'Overrides of the XID table, e.g. {"31": "device_fatal", "94": "warn"} (levels: '
+            "ignore, warn, degraded, device_fatal, node_fatal).",
         )
+    )
+    ascend_code_levels: dict[
+        str, Literal["ignore", "warn", "degraded", "device_fatal", "node_fatal"]
+    ] = section(
+        dict,
+        'Overrides of the Ascend fault-code table, by hex code: {"0x80E01801": "node_fatal"}.',
     )
     xid_clears_by: dict[
         str, Literal["nothing", "condition", "quiet", "reset", "reboot", "release"]
@@ -176,8 +137,20 @@ class HealthSettings:
         "How long one run of a vendor tool (`npu-smi`, `hy-smi`, `xpu-smi`) in a health poll may "
         "take: a hung tool must not stall the poll for long; a healthy one answers well within it.",
     )
+    shadow: bool = setting(
+        False,
+        "Shadow mode, for a trial before the agent acts: health is found and reported as usual "
+        "(labels, the node condition, Events, metrics, faults for the restarter), but no device "
+        "is withdrawn for it: kubelet, DRA and Volcano keep seeing every device healthy, and "
+        "no device is reset (`remediation`).",
+    )
     remediation: RemediationSettings = section(
         RemediationSettings, "Resets of idle quarantined devices by the agent (opt-in)."
+    )
+    degraded: DegradedSettings = section(
+        DegradedSettings,
+        "Warnings read from NVIDIA GPUs that make one Degraded: it keeps serving its pods and "
+        "takes no new one, and a policy may move them off it gracefully.",
     )
 
     def poll_seconds_of(self, vendor: str) -> float:
@@ -361,6 +334,11 @@ class DraSettings:
         "NoSchedule",
         "The taint an unhealthy device gets on its ResourceSlice: NoSchedule keeps new claims "
         "off it; NoExecute also evicts the pods that hold it.",
+    )
+    degraded_taint: Literal["NoSchedule", "None"] = setting(
+        "NoSchedule",
+        "The taint a degraded device (a fault is coming; its pods keep running) gets on its "
+        "ResourceSlice: `NoSchedule` keeps new claims off it; `None` only shows it.",
     )
     health_timeout_seconds: int = setting(
         30,

@@ -3,6 +3,7 @@ faults from the health stream naming the pods that hold the device."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import socket
 import threading
@@ -156,33 +157,30 @@ def pod_resources(tmp_path: Path) -> Iterator[PodResourcesStandIn]:
     standin.stop()
 
 
-def test_an_xid_on_a_held_gpu_is_a_fault_naming_the_pod(
-    tmp_path: Path, pod_resources: PodResourcesStandIn
-) -> None:
+def agent_with_faults(tmp_path: Path, pod_resources: PodResourcesStandIn) -> Agent:
+    """An agent on a simulated dgx-h100 (`tmp_path/node`) whose faults wait in its outbox
+    (`tmp_path/state`): nothing listens at its restarter's address."""
     profile = load_profile("dgx-h100")
-    tree = tmp_path / "node"
-    build_tree(profile, tree)
-    state_dir = tmp_path / "state"
+    build_tree(profile, tmp_path / "node")
     (tmp_path / "token").write_text("token")
-    settings = load_settings(
-        defaults=profile.config,
-        overrides={
-            "host_root": str(tree),
-            "metrics_addr": "",
-            "plugin": {"kubelet_dir": str(tmp_path / "kubelet")},
-            "pod_resources_socket": str(pod_resources.socket),
-            "faults": {
-                "state_dir": str(state_dir),
-                # Nothing listens there: the fault waits in the outbox.
-                "restarter_address": f"127.0.0.1:{unused_port()}",
-                "token_file": str(tmp_path / "token"),
-            },
-        },
-    )
     (tmp_path / "kubelet").mkdir()
-    agent = Agent.discover(settings)
-    gpus = {d.index: d for d in agent.state.snapshot().inventory.devices}
-    pod_resources.assign({("ml", "trainer-x"): {"main": {"nvidia.com/gpu": [gpus[3].id]}}})
+    overrides: dict[str, Any] = {
+        "host_root": str(tmp_path / "node"),
+        "metrics_addr": "",
+        "plugin": {"kubelet_dir": str(tmp_path / "kubelet")},
+        "pod_resources_socket": str(pod_resources.socket),
+        "faults": {
+            "state_dir": str(tmp_path / "state"),
+            "restarter_address": f"127.0.0.1:{unused_port()}",
+            "token_file": str(tmp_path / "token"),
+        },
+    }
+    return Agent.discover(load_settings(defaults=profile.config, overrides=overrides))
+
+
+@contextlib.contextmanager
+def running_with_faults(agent: Agent) -> Iterator[Outbox]:
+    """`agent` running with its fault reports, its NVML watcher started; its outbox."""
     agent.start_faults(None)
     thread = threading.Thread(target=agent.run, name="agent")
     thread.start()
@@ -194,15 +192,26 @@ def test_an_xid_on_a_held_gpu_is_a_fault_naming_the_pod(
             what="the NVML watcher",
             done=lambda: agent.health.nvml is not None and agent.health.nvml.ready,
         )
+        yield outbox
+    finally:
+        agent.stop.set()
+        thread.join(timeout=10)
+    assert not thread.is_alive()
+
+
+def test_an_xid_on_a_held_gpu_is_a_fault_naming_the_pod(
+    tmp_path: Path, pod_resources: PodResourcesStandIn
+) -> None:
+    tree, state_dir = tmp_path / "node", tmp_path / "state"
+    agent = agent_with_faults(tmp_path, pod_resources)
+    gpus = {d.index: d for d in agent.state.snapshot().inventory.devices}
+    pod_resources.assign({("ml", "trainer-x"): {"main": {"nvidia.com/gpu": [gpus[3].id]}}})
+    with running_with_faults(agent) as outbox:
         inject_xid(tree, 5, 79)  # held by no pod: logged, nothing to restart
         inject_xid(tree, 3, 79)
         wait_until(what="GPU 3 unhealthy", done=lambda: gpus[3].id in agent.unhealthy())
         wait_until(what="the device fault", done=lambda: len(outbox) > 0)
         assert gpus[5].id in agent.unhealthy()
-    finally:
-        agent.stop.set()
-        thread.join(timeout=10)
-    assert not thread.is_alive()
     assert agent.faults.outbox is None  # closed on stop, so a restarted agent can open it
     reopened = Outbox(state_dir / "outbox")  # the fault outlives the agent
     try:

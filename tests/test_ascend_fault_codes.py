@@ -70,8 +70,12 @@ def test_every_level_has_a_rule_and_the_order_is_mindclusters() -> None:
     assert set(codes.RULES) == set(AscendFaultType)
     assert list(AscendFaultType)[:2] == [AscendFaultType.NOT_HANDLE, AscendFaultType.SUB_HEALTH]
     assert list(AscendFaultType)[-1] is AscendFaultType.MANUALLY_SEPARATE_NPU
-    ranks = [list(Level).index(codes.RULES[kind].level) for kind in AscendFaultType]
-    assert ranks == sorted(ranks)  # a more severe type never has a milder level
+    # Degraded types warn (the chip keeps its pod); among the others a more severe type never
+    # has a milder level.
+    warned = [kind for kind in AscendFaultType if codes.RULES[kind].level is Level.DEGRADED]
+    assert warned == [AscendFaultType.SUB_HEALTH, AscendFaultType.PRE_SEPARATE_NPU]
+    ranks = [codes.RULES[kind].level.rank for kind in AscendFaultType if kind not in warned]
+    assert ranks == sorted(ranks)
 
 
 @pytest.mark.parametrize(
@@ -80,8 +84,8 @@ def test_every_level_has_a_rule_and_the_order_is_mindclusters() -> None:
         (0x80E21007, Level.IGNORE, ClearsBy.NOTHING, Action.ADVERTISE),
         (
             next(c for c, k in codes.table().items() if k is AscendFaultType.SUB_HEALTH),
-            Level.WARN,
-            ClearsBy.NOTHING,
+            Level.DEGRADED,
+            ClearsBy.CONDITION,
             Action.DEGRADED,
         ),
         (0x80E01801, Level.WARN, ClearsBy.NOTHING, Action.RERUN_JOB),
@@ -89,9 +93,9 @@ def test_every_level_has_a_rule_and_the_order_is_mindclusters() -> None:
         (0x8C03A000, Level.DEVICE_FATAL, ClearsBy.RESET, Action.RESET),
         (
             next(c for c, k in codes.table().items() if k is AscendFaultType.PRE_SEPARATE_NPU),
-            Level.NODE_FATAL,
+            Level.DEGRADED,
             ClearsBy.RELEASE,
-            Action.SEPARATE,
+            Action.SEPARATE_WHEN_IDLE,
         ),
         (0x80E18402, Level.NODE_FATAL, ClearsBy.RELEASE, Action.SEPARATE),
     ],

@@ -19,8 +19,9 @@ from edl_agent.health.classify import (
     classify_row_remap_failure,
     classify_xid,
     most_severe,
+    xid_clears_by,
 )
-from edl_agent.health.model import Level
+from edl_agent.health.model import ClearsBy, Level
 from edl_agent.settings_loader import ConfigError
 
 # --- NVIDIA XIDs ---------------------------------------------------------------------------------
@@ -31,10 +32,19 @@ def test_application_xids_are_ignored(xid: int) -> None:
     assert classify_xid(xid) is Level.IGNORE
 
 
-@pytest.mark.parametrize("xid", [48, 63, 64, 74, 92, 94, 95, 109, 119, 120])
+@pytest.mark.parametrize("xid", [48, 64, 74, 95, 109, 119, 120])
 def test_reset_class_xids_make_the_device_fatal(xid: int) -> None:
     assert classify_xid(xid) is Level.DEVICE_FATAL
     assert classify_xid(xid).unhealthy
+
+
+@pytest.mark.parametrize("xid", [63, 92, 94])
+def test_xids_that_warn_of_a_reset_degrade_the_device(xid: int) -> None:
+    # Row remapping pending, a high corrected-error rate, a contained error: the GPU works until
+    # it is reset, so it keeps its pod and takes no new one.
+    assert classify_xid(xid) is Level.DEGRADED
+    assert not classify_xid(xid).unhealthy
+    assert xid_clears_by(xid, Level.DEGRADED) is ClearsBy.RESET
 
 
 def test_gpu_off_the_bus_needs_the_node() -> None:
@@ -49,7 +59,10 @@ def test_unknown_xids_warn(xid: int) -> None:
 def test_every_fatal_xid_of_the_aws_list_that_the_catalog_resets_is_fatal() -> None:
     aws_fatal = {46, 48, 54, 62, 63, 64, 74, 79, 95, 109, 110, 119, 120, 136, 140, 143, 151, 155}
     aws_fatal |= {156, 158}
-    assert all(XID_LEVELS[xid].unhealthy for xid in aws_fatal)
+    # 63 (a row remapping recorded, applied at the next reset) is Degraded here: kept from new
+    # work, like AWS's fatal, but its pod is not taken away.
+    assert {xid for xid in aws_fatal if not XID_LEVELS[xid].unhealthy} == {63}
+    assert XID_LEVELS[63] is Level.DEGRADED
 
 
 def test_xid_overrides_take_string_keys() -> None:
@@ -73,7 +86,10 @@ def test_xid_overrides_from_settings() -> None:
     ("overrides", "message"),
     [
         ({"x31": "warn"}, "health.xid_levels: 'x31' is not an XID number"),
-        ({"31": "fatal"}, r"health.xid_levels.31: expected one of ignore, warn, device_fatal"),
+        (
+            {"31": "fatal"},
+            r"health.xid_levels.31: expected one of ignore, warn, degraded, device_fatal",
+        ),
     ],
 )
 def test_xid_override_check(overrides: dict[str, str], message: str) -> None:
@@ -113,8 +129,9 @@ def test_every_plugin_level_has_one_of_ours() -> None:
         ASCEND_FAULT_TYPE_LEVELS[t]
         for t in (AscendFaultType.RESTART_NPU, AscendFaultType.FREE_RESTART_NPU)
     } == {Level.DEVICE_FATAL}
+    assert ASCEND_FAULT_TYPE_LEVELS[AscendFaultType.PRE_SEPARATE_NPU] is Level.DEGRADED
+    assert ASCEND_FAULT_TYPE_LEVELS[AscendFaultType.SUB_HEALTH] is Level.DEGRADED
     separate = (
-        AscendFaultType.PRE_SEPARATE_NPU,
         AscendFaultType.SEPARATE_NPU,
         AscendFaultType.MANUALLY_SEPARATE_NPU,
     )
@@ -211,7 +228,7 @@ def test_npu_fault_honours_overrides() -> None:
     [
         ("Normal", None),
         ("NORMAL", None),
-        ("Warning", Level.WARN),
+        ("Warning", Level.DEGRADED),
         ("Fault", Level.DEVICE_FATAL),
         ("Lost", Level.NODE_FATAL),
         ("Rebooting", Level.WARN),

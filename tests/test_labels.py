@@ -135,6 +135,8 @@ def test_dgx_h100_labels() -> None:
         "edl.io/accelerator.vendors": "nvidia",
         "edl.io/accelerator.count": "8",
         "edl.io/accelerator.healthy": "8",
+        "edl.io/accelerator.degraded": "0",
+        "edl.io/nvidia.degraded": "0",
         "edl.io/nvidia.product": "NVIDIA-H100-80GB-HBM3",
         "edl.io/nvidia.count": "8",
         "edl.io/nvidia.healthy": "8",
@@ -200,6 +202,20 @@ def test_unhealthy_and_cordoned_devices_lower_the_healthy_counts_only() -> None:
     assert labels["edl.io/ascend.healthy"] == "1"
     assert labels["edl.io/accelerator.healthy"] == "3"
     assert labels["nvidia.com/gpu.count"] == "4"
+
+
+def test_degraded_devices_are_counted_and_leave_the_healthy_counts() -> None:
+    inv = inventory(nvidia(*(gpu(i) for i in range(4))), ascend(npu(0), npu(1)))
+
+    # GPU-2 is both degraded and unhealthy (a warning, then a fault): unhealthy wins.
+    labels = labels_of(inv, unhealthy={"GPU-2": fault()}, degraded={"GPU-1", "GPU-2", npu(1).id})
+
+    assert labels["edl.io/nvidia.degraded"] == "1"
+    assert labels["edl.io/nvidia.healthy"] == "2"
+    assert labels["edl.io/ascend.degraded"] == "1"
+    assert labels["edl.io/ascend.healthy"] == "1"
+    assert labels["edl.io/accelerator.degraded"] == "2"
+    assert labels["edl.io/accelerator.healthy"] == "3"
 
 
 def test_most_common_model_names_the_gpus_as_gfd_does() -> None:

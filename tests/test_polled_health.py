@@ -143,7 +143,7 @@ STATE_CASES = {
 @pytest.mark.parametrize("case", list(STATE_CASES))
 @pytest.mark.parametrize(
     ("state", "level"),
-    [("Warning", Level.WARN), ("Fault", Level.DEVICE_FATAL), ("Lost", Level.NODE_FATAL)],
+    [("Warning", Level.DEGRADED), ("Fault", Level.DEVICE_FATAL), ("Lost", Level.NODE_FATAL)],
 )
 def test_device_state(case: str, state: str, level: Level, tmp_path: Path) -> None:
     vendor, inject, device_id, prefix = STATE_CASES[case]

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from edl_agent.config import RemediationSettings
 from edl_agent.devices.model import Device, Vendor
 from edl_agent.health.remediation_rules import (
     Attempt,
@@ -19,6 +18,7 @@ from edl_agent.health.remediation_rules import (
     held_ids,
     record,
 )
+from edl_agent.health_settings import RemediationSettings
 from edl_agent.sim import inject
 from tests.podresources_standin import PodResourcesStandIn
 from tests.test_health_agent import gpu_ids, health_of, watch_gpus

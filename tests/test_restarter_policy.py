@@ -738,7 +738,9 @@ RULES = st.fixed_dictionaries(
     optional={
         "restartScope": st.sampled_from(list(RestartScope)),
         "exitCodes": st.sampled_from([1, "1-127", "128-255", "0,137,143"]),
-        "exceptionalEvent": st.sampled_from(["nodeNotReady", "PodEvicted,deviceUnhealthy"]),
+        "exceptionalEvent": st.sampled_from(
+            ["nodeNotReady", "PodEvicted,deviceUnhealthy", "deviceDegraded"]
+        ),
         "containerName": st.sampled_from(["trainer", "sidecar"]),
     },
 )
@@ -748,9 +750,11 @@ def valid_rule(rule: dict[str, Any]) -> dict[str, Any]:
     policy_ = RestartPolicy(rule["restartPolicy"])
     if policy_.needs_exit_codes:
         rule.setdefault("exitCodes", 129)
-    if policy_ is RestartPolicy.ON_NODE_FAIL:
+    if policy_ in (RestartPolicy.ON_NODE_FAIL, RestartPolicy.GRACEFUL):
         rule.pop("exitCodes", None)
         rule.pop("containerName", None)
+    if policy_ is RestartPolicy.GRACEFUL and rule.get("exceptionalEvent") != "deviceDegraded":
+        rule.pop("exceptionalEvent", None)
     if policy_ in (RestartPolicy.EXIT_CODE, RestartPolicy.ON_FAILURE):
         rule.pop("exceptionalEvent", None)
     return rule

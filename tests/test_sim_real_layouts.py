@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from edl_agent.cli import main
-from edl_agent.config import HealthSettings, RemediationSettings
+from edl_agent.config import HealthSettings
 from edl_agent.devices import ascend, hygon, kunlunxin
 from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.kunlunxin_smi import parse_xpu_smi_list
@@ -21,6 +21,7 @@ from edl_agent.devices.model import Device, VendorReport
 from edl_agent.health.model import Level
 from edl_agent.health.remediation_rules import Remediator, command_for, validate_reset
 from edl_agent.health.vendor_readings import poll_ascend, poll_hygon, poll_kunlunxin
+from edl_agent.health_settings import RemediationSettings
 from edl_agent.sim import ascend_tree, hygon_tree, inject, kunlunxin_tree
 from edl_agent.sim.profile import Profile, load_profile, parse_profile, pci_bus_id
 from edl_agent.sim.tree import build_tree

@@ -75,7 +75,7 @@ class _VendorHealth:
         health: dict[str, tuple[bool, str]] = {}
         for device in snapshot.inventory.devices:
             if device.vendor is self._vendor and device.id in device_names:
-                healthy = device.id not in snapshot.unhealthy_all
+                healthy = device.id not in snapshot.withdrawn
                 message = "" if healthy else reasons.get(device.id, "unhealthy")
                 health[device_names[device.id]] = (healthy, message)
         return snapshot.version, health
@@ -282,7 +282,7 @@ class DraNode:
         for device in snapshot.inventory.devices:
             if device.vendor is vendor and device.id in device_names:
                 known = device
-                if device.id in snapshot.unhealthy_all:
+                if device.id in snapshot.withdrawn:
                     known = dataclasses.replace(device, health=Health.UNHEALTHY)
                 found[device_names[device.id]] = (vendor, known)
         return found
@@ -354,9 +354,14 @@ class DraNode:
                     self._log.warning("removing stale ResourceSlices failed", error=str(exc))
             return
         reasons = self._reasons()
-        unhealthy = {d: reasons.get(d, "unhealthy") for d in snapshot.unhealthy_all}
+        unhealthy = {d: reasons.get(d, "unhealthy") for d in snapshot.withdrawn}
+        degraded = {d: reasons.get(d, "degraded") for d in snapshot.withdrawn_degraded}
         desired = desired_slices(
-            (snapshot.inventory, unhealthy), self._settings, self.node, datetime.now(UTC)
+            (snapshot.inventory, unhealthy),
+            self._settings,
+            self.node,
+            datetime.now(UTC),
+            degraded=degraded,
         )
         if self._device_plugin_holds:
             desired = _with_taint(desired, self._held_names(snapshot))

@@ -31,7 +31,8 @@ these fields; the publisher notices (`dropped_features`) and publishes such devi
 (`without_features`), so that each goes to one claim at a time.
 
 Unhealthy devices (a MIG device when its GPU is) carry the taint `edl.io/unhealthy` with the
-reason as its value and `dra.unhealthy_taint` as its effect.
+reason as its value and `dra.unhealthy_taint` as its effect; degraded ones (a fault is coming,
+their claims keep running) `edl.io/degraded` with `dra.degraded_taint` (NoSchedule or None).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ Spec = dict[str, Any]
 HealthSource = Snapshot | tuple[Inventory, Mapping[str, str] | Collection[str]]
 
 UNHEALTHY_TAINT_KEY = f"{names.DOMAIN}/unhealthy"
+DEGRADED_TAINT_KEY = f"{names.DOMAIN}/degraded"
 PCI_BUS_ID = "resource.kubernetes.io/pciBusID"
 NUMA_NODE = "resource.kubernetes.io/numaNode"
 # The API allows 128 devices in a slice, but only 64 once any of them has a taint or consumes
@@ -85,11 +87,21 @@ def desired_slices(
     now: datetime,
     *,
     generation: int = 1,
+    degraded: Mapping[str, str] | None = None,
 ) -> dict[str, list[Spec]]:
     """Driver → the specs of its pool's slices on `node`, for every vendor served by DRA that has
     devices. `source`: a Snapshot, or the inventory with the unhealthy device ids (a mapping
-    gives each one's reason, which becomes the taint's value). `now` stamps new taints."""
+    gives each one's reason, which becomes the taint's value); `degraded`: degraded device id →
+    reason (a Snapshot's own degraded devices when None). `now` stamps new taints."""
     inventory, reasons = _health_view(source)
+    if degraded is None:
+        listed = source.withdrawn_degraded if isinstance(source, Snapshot) else ()
+        degraded = dict.fromkeys(listed, "true")
+    worn = {key: label_value(why, default="true") for key, why in degraded.items()}
+    for device in inventory.devices:
+        if device.parent is not None and device.parent in worn:
+            worn.setdefault(device.id, worn[device.parent])
+    worn = {key: why for key, why in worn.items() if key not in reasons}
     devices = inventory.devices
     device_names = names.device_names(devices)
     shares = _shares_by_device(devices, settings)
@@ -111,6 +123,8 @@ def desired_slices(
             shares=shares,
             reasons=reasons,
             taint=(settings.dra.unhealthy_taint, taint_time),
+            degraded=worn,
+            degraded_effect=settings.dra.degraded_taint,
         )
         entries = [_device_entry(device, context) for device in published]
         counters = _counter_sets(published, context)
@@ -235,13 +249,15 @@ class _Context:
     shares: Mapping[str, _Share]
     reasons: Mapping[str, str]
     taint: tuple[str, str]  # effect, time added
+    degraded: Mapping[str, str]
+    degraded_effect: str
 
 
 def _health_view(source: HealthSource) -> tuple[Inventory, dict[str, str]]:
     """The inventory, and device id → taint value for every unhealthy device (MIG devices of
     an unhealthy GPU included)."""
     if isinstance(source, Snapshot):
-        return source.inventory, dict.fromkeys(source.unhealthy_all, "true")
+        return source.inventory, dict.fromkeys(source.withdrawn, "true")
     inventory, unhealthy = source
     given = dict(unhealthy) if isinstance(unhealthy, Mapping) else dict.fromkeys(unhealthy, "")
     reasons = {key: label_value(str(why), default="true") for key, why in given.items()}
@@ -320,16 +336,15 @@ def _device_entry(device: Device, context: _Context) -> Spec:
                 "counters": {"memory": {"value": mib_quantity(device.memory_mib)}},
             }
         ]
+    effect, added = context.taint
     if device.id in context.reasons:
-        effect, added = context.taint
-        entry["taints"] = [
-            {
-                "key": UNHEALTHY_TAINT_KEY,
-                "value": context.reasons[device.id],
-                "effect": effect,
-                "timeAdded": added,
-            }
-        ]
+        taint = (UNHEALTHY_TAINT_KEY, context.reasons[device.id], effect)
+    elif device.id in context.degraded:
+        taint = (DEGRADED_TAINT_KEY, context.degraded[device.id], context.degraded_effect)
+    else:
+        return entry
+    key, value, effect = taint
+    entry["taints"] = [{"key": key, "value": value, "effect": effect, "timeAdded": added}]
     return entry
 
 

@@ -20,6 +20,7 @@ KIND_TO_PROTO: dict[FaultKind, fault_pb2.FaultKind] = {
     FaultKind.NODE_NOT_READY: fault_pb2.FAULT_KIND_NODE_NOT_READY,
     FaultKind.POD_FORCE_DELETED: fault_pb2.FAULT_KIND_POD_FORCE_DELETED,
     FaultKind.POD_EVICTED: fault_pb2.FAULT_KIND_POD_EVICTED,
+    FaultKind.DEVICE_DEGRADED: fault_pb2.FAULT_KIND_DEVICE_DEGRADED,
 }
 KIND_FROM_PROTO: dict[int, FaultKind] = {number: kind for kind, number in KIND_TO_PROTO.items()}
 

@@ -1,5 +1,6 @@
 """Device → pod faults: a device that turns Unhealthy while pods hold it is one DEVICE_UNHEALTHY
-fault per pod holding it.
+fault per pod holding it; one that turns Degraded (it still serves them, a fault is coming) is one
+DEVICE_DEGRADED fault per pod, for a policy that moves pods off a degraded device gracefully.
 
 A part of its own (`device-faults`), fed by the health hub's subscription: it asks kubelet's
 pod-resources API who holds the device (shares count for their physical device; the pod's uid and
@@ -20,7 +21,7 @@ from typing import Any
 
 import structlog
 
-from edl_agent.faults.ids import device_unhealthy_id
+from edl_agent.faults.ids import device_degraded_id, device_unhealthy_id
 from edl_agent.faults.model import Fault, FaultKind
 from edl_agent.faults.pod_faults import per_pod_faults
 from edl_agent.health.hub import HealthChange, HealthHub
@@ -32,7 +33,13 @@ PodLookup = Callable[[str, str], Mapping[str, Any] | None]
 
 
 def _turned(change: HealthChange) -> bool:
-    return bool(change.turned)
+    return bool(change.turned or change.degraded)
+
+
+_ID_OF = {
+    FaultKind.DEVICE_UNHEALTHY: device_unhealthy_id,
+    FaultKind.DEVICE_DEGRADED: device_degraded_id,
+}
 
 
 class DeviceFaults:
@@ -59,8 +66,8 @@ class DeviceFaults:
         self._subscription = hub.subscribe(wake, _turned)
         # Not faster than kubelet's own timeout: each retry is one List call.
         self.retry_seconds = retry_seconds
-        # Device id → the condition of a fault waiting for kubelet's pod-resources API.
-        self.pending: dict[str, Condition] = {}
+        # (device id, kind) → the condition of a fault waiting for kubelet's pod-resources API.
+        self.pending: dict[tuple[str, FaultKind], Condition] = {}
         self._waiting = False  # kubelet did not answer the last ask (logged once)
         self._log = structlog.get_logger().bind(part=self.name)
 
@@ -68,7 +75,10 @@ class DeviceFaults:
         ready()
         while not stop.is_set():
             for change in self._subscription.take():
-                self.pending.update(change.turned)
+                for device_id, condition in change.turned:
+                    self.pending[device_id, FaultKind.DEVICE_UNHEALTHY] = condition
+                for device_id, condition in change.degraded:
+                    self.pending[device_id, FaultKind.DEVICE_DEGRADED] = condition
             if self.pending:
                 self.attribute()
             # Nothing pending: nothing to do until a device turns Unhealthy (or the stop).
@@ -83,19 +93,20 @@ class DeviceFaults:
             if not self._waiting:
                 self._log.warning(
                     "kubelet's pod-resources API does not answer: device faults wait for it",
-                    devices=sorted(self.pending),
+                    devices=sorted({device_id for device_id, _ in self.pending}),
                 )
             self._waiting = True
             return
         self._waiting = False
         turned, self.pending = list(self.pending.items()), {}
         node = snapshot.inventory.node
-        for device_id, condition in turned:
+        for (device_id, kind), condition in turned:
             held_by = holders.get(device_id, [])
             if not held_by:
                 self._log.info(
-                    "unhealthy device held by no pod: no fault to report",
+                    "device held by no pod: no fault to report",
                     device=device_id,
+                    kind=kind.value,
                     reason=condition.reason,
                 )
                 continue
@@ -104,8 +115,8 @@ class DeviceFaults:
             held = f"held by {', '.join(containers)}"
             detail = f"{condition.detail}; {held}" if condition.detail else held
             spell = Fault(
-                id=device_unhealthy_id(node, device_id, condition.reason, condition.since),
-                kind=FaultKind.DEVICE_UNHEALTHY,
+                id=_ID_OF[kind](node, device_id, condition.reason, condition.since),
+                kind=kind,
                 node=node,
                 observed_at=datetime.now(UTC) - timedelta(seconds=age),
                 reason=condition.reason,

@@ -80,6 +80,13 @@ def device_unhealthy_id(node: str, device_id: str, reason: str, since: float) ->
     return bounded_id(f"device/{node}/{device_id}/{reason}/{round(since * 1_000_000)}")
 
 
+def device_degraded_id(node: str, device_id: str, reason: str, since: float) -> str:
+    """The id of one spell of a device being degraded: `degraded/<node>/<device>/<reason>/
+    <since>`, as `device_unhealthy_id` (a condition that later turns severe keeps its reason and
+    start, and its DeviceUnhealthy fault must not read as a repeat of this one)."""
+    return bounded_id(f"degraded/{node}/{device_id}/{reason}/{round(since * 1_000_000)}")
+
+
 def pod_fault_id(node_fault_id: str, pod: PodRef) -> str:
     """The id of what the node-level fault `node_fault_id` means for one pod:
     `<node fault id>/<pod uid>`, or `<node fault id>/<namespace>/<name>` for a pod known only

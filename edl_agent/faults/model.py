@@ -14,6 +14,7 @@ class FaultKind(enum.StrEnum):
     NODE_NOT_READY = "NodeNotReady"  # the node was NotReady/Unknown longer than the grace
     POD_FORCE_DELETED = "PodForceDeleted"  # deleted with grace 0 before it terminated
     POD_EVICTED = "PodEvicted"  # evicted, or DisruptionTarget set
+    DEVICE_DEGRADED = "DeviceDegraded"  # an accelerator a pod holds warns of a coming fault
 
 
 @dataclass(frozen=True, order=True)

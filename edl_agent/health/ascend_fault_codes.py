@@ -45,6 +45,7 @@ class Action(enum.StrEnum):
     RERUN_JOB = "rerun job"  # the job retries; the chip stays in service
     RESET_WHEN_IDLE = "reset when idle"  # out of service until reset (remediation, opt-in)
     RESET = "reset"  # out of service until reset
+    SEPARATE_WHEN_IDLE = "separate when idle"  # degraded: serves its pod, then out until released
     SEPARATE = "separate"  # out of service until an operator releases it
 
 
@@ -58,10 +59,12 @@ class LevelRule:
 # Job-level types leave the chip schedulable: the job, not the device, retries, which is the job
 # controller's business. Reset types drain the chip until it is reset (the driver keeps reporting
 # the code until then, so the code no longer being reported is the evidence of a reset). Isolation
-# types say a reset does not help: the chip is out until a person releases it.
+# types say a reset does not help: the chip is out until a person releases it. SubHealth and
+# PreSeparateNPU warn: the chip is Degraded (it serves its pod, takes no new one); PreSeparateNPU's
+# degradation lasts until a person releases the chip, SubHealth's while the driver reports it.
 RULES: Mapping[AscendFaultType, LevelRule] = {
     AscendFaultType.NOT_HANDLE: LevelRule(Level.IGNORE, ClearsBy.NOTHING, Action.ADVERTISE),
-    AscendFaultType.SUB_HEALTH: LevelRule(Level.WARN, ClearsBy.NOTHING, Action.DEGRADED),
+    AscendFaultType.SUB_HEALTH: LevelRule(Level.DEGRADED, ClearsBy.CONDITION, Action.DEGRADED),
     AscendFaultType.RESTART_REQUEST: LevelRule(Level.WARN, ClearsBy.NOTHING, Action.RERUN_JOB),
     AscendFaultType.RESTART_BUSINESS: LevelRule(Level.WARN, ClearsBy.NOTHING, Action.RERUN_JOB),
     AscendFaultType.FREE_RESTART_NPU: LevelRule(
@@ -69,7 +72,7 @@ RULES: Mapping[AscendFaultType, LevelRule] = {
     ),
     AscendFaultType.RESTART_NPU: LevelRule(Level.DEVICE_FATAL, ClearsBy.RESET, Action.RESET),
     AscendFaultType.PRE_SEPARATE_NPU: LevelRule(
-        Level.NODE_FATAL, ClearsBy.RELEASE, Action.SEPARATE
+        Level.DEGRADED, ClearsBy.RELEASE, Action.SEPARATE_WHEN_IDLE
     ),
     AscendFaultType.SEPARATE_NPU: LevelRule(Level.NODE_FATAL, ClearsBy.RELEASE, Action.SEPARATE),
     AscendFaultType.MANUALLY_SEPARATE_NPU: LevelRule(

@@ -45,6 +45,7 @@ class Rule:
 
 _APP = Rule(Level.IGNORE, ClearsBy.NOTHING)
 _RESET = Rule(Level.DEVICE_FATAL, ClearsBy.RESET)
+_DEGRADE = Rule(Level.DEGRADED, ClearsBy.RESET)
 _REBOOT = Rule(Level.NODE_FATAL, ClearsBy.REBOOT)
 _PERSON = Rule(Level.DEVICE_FATAL, ClearsBy.RELEASE)
 
@@ -64,17 +65,17 @@ XID_CATALOG: Mapping[int, Rule] = {
     54: _PERSON,  # auxiliary power not connected; CHECK_MECHANICALS
     62: _RESET,  # internal micro-controller halt; RESET_GPU
     # 63: row remapping recorded; the catalog says IGNORE, but the new mapping only takes effect
-    # after a GPU reset ("reset gpu to activate"), so the GPU is drained until then (AWS: fatal).
-    63: _RESET,
+    # after a GPU reset ("reset gpu to activate"): degraded until then (AWS drains it as fatal).
+    63: _DEGRADE,
     64: _RESET,  # row remapping failure; RESET_GPU
     74: _RESET,  # NVLink error; WORKFLOW_NVLINK_ERR (a reset clears the link state)
     79: _REBOOT,  # GPU has fallen off the bus; RESTART_BM (no reset reaches it)
-    # 92: high single-bit ECC rate; the catalog says IGNORE. We drain: a rising SBE rate precedes
-    # uncorrectable errors, and a long job would lose more than the drain costs.
-    92: _RESET,
+    # 92: high single-bit ECC rate; the catalog says IGNORE. Degraded: a rising SBE rate precedes
+    # uncorrectable errors, so the GPU takes no new work and its pod may leave gracefully.
+    92: _DEGRADE,
     # 94: contained (poisoned) memory error; the catalog says RESTART_APP. The affected row is
-    # remapped only at the next reset, so new work is kept off the GPU until it is reset.
-    94: _RESET,
+    # remapped only at the next reset: degraded (no new work) until the GPU is reset.
+    94: _DEGRADE,
     95: _RESET,  # uncontained memory error; RESET_GPU
     109: _RESET,  # context-switch timeout; RESET_GPU (NVIDIA's plugin ignores it)
     110: _RESET,  # security fault; RESET_GPU
@@ -131,8 +132,8 @@ def classify_row_remap_failure() -> Level:
 # --- Ascend fault codes --------------------------------------------------------------------------
 
 # The levels, their rules and the code table: `ascend_fault_codes` (MindCluster's own table, as
-# data). SubHealthFault warns of a coming fault and leaves the chip in service; PreSeparateNPU and
-# ManuallySeparateNPU isolate it, as SeparateNPU does.
+# data). SubHealthFault warns of a coming fault and PreSeparateNPU isolates the chip once its job
+# has left it: both make it Degraded. ManuallySeparateNPU isolates it, as SeparateNPU does.
 ASCEND_FAULT_TYPE_RULES: Mapping[AscendFaultType, Rule] = {
     kind: Rule(rule.level, rule.clears_by) for kind, rule in ASCEND_LEVEL_RULES.items()
 }
@@ -205,7 +206,7 @@ def classify_npu_fault(
         return word_level, None
     floor = most_severe([word_level or UNKNOWN_ASCEND_CODE_LEVEL, UNKNOWN_ASCEND_CODE_LEVEL])
     levels = [ascend_code_level(code, overrides) or floor for code in codes]
-    worst = max(range(len(codes)), key=lambda i: _rank(levels[i]))  # first of the highest
+    worst = max(range(len(codes)), key=lambda i: levels[i].rank)  # first of the highest
     return levels[worst], codes[worst]
 
 
@@ -222,7 +223,7 @@ def classify_npu_fault(
 # bus) is XID 79's case: only a reboot brings the device back.
 DEVICE_STATE_LEVELS: Mapping[str, Level | None] = {
     "normal": None,
-    "warning": Level.WARN,  # degraded but usable (e.g. throttling)
+    "warning": Level.DEGRADED,  # usable, but warning of a fault (e.g. throttling)
     "fault": Level.DEVICE_FATAL,  # the device reports a fault: drain until it reads normal
     "lost": Level.NODE_FATAL,  # gone from the bus: like XID 79, only a host restart helps
 }
@@ -230,7 +231,7 @@ UNKNOWN_DEVICE_STATE_LEVEL = Level.WARN
 
 
 DEVICE_STATE_CLEARS_BY: Mapping[str, ClearsBy] = {
-    "warning": ClearsBy.NOTHING,
+    "warning": ClearsBy.CONDITION,
     "fault": ClearsBy.RESET,
     "lost": ClearsBy.REBOOT,
 }
@@ -259,7 +260,7 @@ def what_clears(  # noqa: PLR0911 -- one return per catalog reads plainer than a
     device a tool no longer lists, a failing monitor)."""
     if event.clears_by is not None:
         return event.clears_by
-    if not event.level.unhealthy:
+    if not event.level.kept:
         return ClearsBy.NOTHING
     reason = event.reason
     if reason.startswith("XID") and event.code is not None:
@@ -282,7 +283,7 @@ def _clears_at(level: Level, known: ClearsBy | None) -> ClearsBy:
     a level that is not severe clears by nothing; a severe level keeps the catalog's column when
     it has a severe one; an application-level code raised to severe clears by a reset (device)
     or a reboot (node); an unknown code raised to severe waits for an operator."""
-    if not level.unhealthy:
+    if not level.kept:
         return ClearsBy.NOTHING
     if known is not None and known is not ClearsBy.NOTHING:
         return known
@@ -293,13 +294,7 @@ def _clears_at(level: Level, known: ClearsBy | None) -> ClearsBy:
 
 # --- helpers -------------------------------------------------------------------------------------
 
-_ORDER = (Level.IGNORE, Level.WARN, Level.DEVICE_FATAL, Level.NODE_FATAL)
-
-
-def _rank(level: Level) -> int:
-    return _ORDER.index(level)
-
 
 def most_severe(levels: Iterable[Level]) -> Level:
     """The most severe of `levels` (at least one)."""
-    return max(levels, key=_rank)
+    return max(levels, key=lambda level: level.rank)

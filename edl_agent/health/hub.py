@@ -33,7 +33,14 @@ from edl_agent.health.quarantine_store import Quarantine
 from edl_agent.health.quarantine_writer import QuarantineWriter
 from edl_agent.health.reset_rules import check_resets, waiting_for_reset
 from edl_agent.health.state import DeviceState
-from edl_agent.health.tracker import UNHEALTHY, Condition, HealthTracker, Transition
+from edl_agent.health.tracker import (
+    DEGRADED,
+    HEALTHY,
+    UNHEALTHY,
+    Condition,
+    HealthTracker,
+    Transition,
+)
 from edl_agent.log_limit import LogLimiter
 
 EVENT_LOG_SECONDS = 10.0
@@ -47,11 +54,13 @@ class HealthChange:
 
     transitions: tuple[Transition, ...]
     turned: tuple[tuple[str, Condition], ...] = ()
+    # The devices among them that turned Degraded (from Healthy), with the condition that did.
+    degraded: tuple[tuple[str, Condition], ...] = ()
     # The earliest quiet period now ends sooner than before (or one opened): a repeat that only
     # pushes it later wakes nobody, so a flood does not spin the quiet-period part.
     quiet_sooner: bool = False
-    # What the node's labels and condition show changed: the unhealthy devices, their reasons,
-    # the failing monitors, the cordoned devices.
+    # What the node's labels and condition show changed: the unhealthy and degraded devices,
+    # their reasons, the failing monitors, the cordoned devices.
     shown: bool = False
 
 
@@ -109,10 +118,7 @@ class HealthHub:
         self._quarantine_keys: frozenset[tuple[str, str, str]] = frozenset()
         self._subscriptions: list[Subscription] = []
         self._quiet_end: float | None = None
-        self._shown: tuple[frozenset[tuple[str, str]], frozenset[tuple[Vendor, str]]] = (
-            frozenset(),
-            frozenset(),
-        )
+        self._shown: tuple[frozenset[tuple[str, str]], ...] = ()
         self._event_log = LogLimiter(interval=EVENT_LOG_SECONDS)
         self._log = structlog.get_logger().bind(part="health")
 
@@ -289,6 +295,10 @@ class HealthHub:
         with self._lock:
             return self.tracker.unhealthy(self.state.snapshot().inventory.devices)
 
+    def degraded(self) -> dict[str, Condition]:
+        with self._lock:
+            return self.tracker.degraded(self.state.snapshot().inventory.devices)
+
     def monitor_failures(self) -> dict[Vendor, Condition]:
         with self._lock:
             return dict(self.tracker.monitor_failures())
@@ -312,10 +322,12 @@ class HealthHub:
         self._offer_quarantine(force=force)
         devices = self.state.snapshot().inventory.devices
         unhealthy = self.tracker.unhealthy(devices)
-        self.state.set_unhealthy(unhealthy.keys() | self._cordoned)
+        degraded = self.tracker.degraded(devices)
+        self.state.set_unhealthy(unhealthy.keys() | self._cordoned, degraded.keys())
         shown = (
             frozenset((d, c.reason) for d, c in unhealthy.items()),
-            frozenset((v, c.reason) for v, c in self.tracker.monitor_failures().items()),
+            frozenset((d, c.reason) for d, c in degraded.items()),
+            frozenset((v.value, c.reason) for v, c in self.tracker.monitor_failures().items()),
         )
         news, self._shown = shown != self._shown, shown
         turned = tuple(
@@ -323,10 +335,21 @@ class HealthHub:
             for c in changes
             if c.to == UNHEALTHY and c.device_id in unhealthy
         )
+        turned_degraded = tuple(
+            (c.device_id, degraded[c.device_id])
+            for c in changes
+            if c.to == DEGRADED and c.evidence is None and c.device_id in degraded
+        )
         quiet_end, was = self.tracker.next_quiet_end(), self._quiet_end
         self._quiet_end = quiet_end
         sooner = quiet_end is not None and (was is None or quiet_end < was)
-        return HealthChange(tuple(changes), turned, quiet_sooner=sooner, shown=news or refresh)
+        return HealthChange(
+            tuple(changes),
+            turned,
+            turned_degraded,
+            quiet_sooner=sooner,
+            shown=news or refresh,
+        )
 
     def _offer_quarantine(self, *, force: bool) -> None:
         """Hand the quarantine to the writer when what is quarantined changed. Repeats of an
@@ -354,7 +377,7 @@ class HealthHub:
 
     def _publish(self, change: HealthChange) -> None:
         for transition in change.transitions:
-            level = 30 if transition.to == UNHEALTHY else 20
+            level = 20 if transition.to == HEALTHY else 30
             detail = transition.detail or None
             self._log.log(level, "device health changed", **_fields(transition), detail=detail)
         with self._lock:
@@ -378,7 +401,7 @@ def _log_event(
     if held_back is None and not changed:
         return
     log.log(
-        30 if event.level.unhealthy and not event.cleared else 20,
+        30 if event.level.kept and not event.cleared else 20,
         "health event",
         vendor=event.vendor.value,
         device=event.device_id,

@@ -13,12 +13,27 @@ class Level(enum.StrEnum):
 
     IGNORE = "ignore"  # an application's own error (e.g. XID 13): count it, change nothing
     WARN = "warn"  # worth a log line and a metric; the device stays schedulable
+    # The device still serves the pod on it but takes no new work: a fault is coming (ECC errors
+    # climbing, rows pending remap, a downgraded link), so the pod may leave gracefully first.
+    DEGRADED = "degraded"
     DEVICE_FATAL = "device_fatal"  # the device must not be allocated until it recovers
     NODE_FATAL = "node_fatal"  # the device is gone or needs a reset/reboot; stays until sound
 
     @property
     def unhealthy(self) -> bool:
         return self in (Level.DEVICE_FATAL, Level.NODE_FATAL)
+
+    @property
+    def kept(self) -> bool:
+        """Whether an event at this level opens a condition on its device (Degraded or worse)."""
+        return self is Level.DEGRADED or self.unhealthy
+
+    @property
+    def rank(self) -> int:
+        return _LEVEL_ORDER.index(self)
+
+
+_LEVEL_ORDER = tuple(Level)
 
 
 class ClearsBy(enum.StrEnum):
@@ -105,3 +120,12 @@ class DeviceTelemetry:
     memory_total_mib: float | None = None
     ecc_corrected_total: int | None = None
     ecc_uncorrected_total: int | None = None
+    # Readings that warn before an NVIDIA GPU fails; None for MIG devices and other vendors.
+    clock_event_reasons: int | None = None  # nvmlClocksEventReason* bits: 0x1 idle, 0x8 HW slowdown
+    pcie_generation: int | None = None  # what the PCIe link trained at...
+    pcie_generation_max: int | None = None  # ...and the most it can with this GPU in this slot
+    pcie_width: int | None = None
+    pcie_width_max: int | None = None
+    rows_pending: int | None = None  # NVML's flag: 1 while a row remapping waits for a reset
+    rows_failed: int | None = None  # NVML's flag: 1 once a row remapping failed (not counts)
+    recovery_action: int | None = None  # nvmlDeviceGpuRecoveryAction_t: 1 GPU_RESET, 2 NODE_REBOOT

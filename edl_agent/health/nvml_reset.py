@@ -104,11 +104,12 @@ def _reading(uuid: str) -> Baseline:
         ECC_CORRECTED: int(corrected) if corrected is not None else None,
         ECC_UNCORRECTED: int(uncorrected) if uncorrected is not None else None,
         REMAP_PENDING: int(bool(rows[2])) if rows is not None else None,
-        RECOVERY_ACTION: _recovery_action(handle),
+        RECOVERY_ACTION: recovery_action(handle),
     }
 
 
-def _recovery_action(handle: Any) -> int | None:
+def recovery_action(handle: Any) -> int | None:
+    """The recovery action the driver says the GPU needs (R570 and later), or None."""
     values = _query(pynvml.nvmlDeviceGetFieldValues, handle, [RECOVERY_ACTION_FIELD])
     if values is None or values[0].nvmlReturn != pynvml.NVML_SUCCESS:
         return None

@@ -1,5 +1,7 @@
 """NVIDIA telemetry for scrapes: temperature, power, utilization, memory and ECC counts per GPU,
-and memory per MIG device.
+and memory per MIG device. Per GPU also the readings that warn before it fails: clocks-event
+(throttle) reasons, the PCIe link against its maximum, row remapping pending or failed, and the
+recovery action the driver asks for.
 
 `NvmlTelemetry` keeps one NVML session open between reads, because nvmlInit on a real node can
 take far longer than a scrape should (it shares the library with the watcher and discovery; see
@@ -22,6 +24,7 @@ from edl_agent.devices.hostroot import HostRoot
 from edl_agent.devices.model import Vendor
 from edl_agent.devices.nvidia import find_library, nvml_session
 from edl_agent.health.model import DeviceTelemetry
+from edl_agent.health.nvml_reset import recovery_action
 
 MIB = 1 << 20
 T = TypeVar("T")
@@ -110,6 +113,7 @@ def _gpu(uuid: str, handle: Any) -> DeviceTelemetry:
     power_mw = _query(pynvml.nvmlDeviceGetPowerUsage, handle)
     utilization = _query(pynvml.nvmlDeviceGetUtilizationRates, handle)
     memory = _query(pynvml.nvmlDeviceGetMemoryInfo, handle)
+    rows = _query(pynvml.nvmlDeviceGetRemappedRows, handle)  # Ampere and later
     return DeviceTelemetry(
         device_id=uuid,
         temperature_c=float(temperature) if temperature is not None else None,
@@ -119,6 +123,14 @@ def _gpu(uuid: str, handle: Any) -> DeviceTelemetry:
         memory_total_mib=memory.total / MIB if memory is not None else None,
         ecc_corrected_total=_ecc(handle, pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED),
         ecc_uncorrected_total=_ecc(handle, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED),
+        clock_event_reasons=_clock_event_reasons(handle),
+        pcie_generation=_number(pynvml.nvmlDeviceGetCurrPcieLinkGeneration, handle),
+        pcie_generation_max=_pcie_generation_max(handle),
+        pcie_width=_number(pynvml.nvmlDeviceGetCurrPcieLinkWidth, handle),
+        pcie_width_max=_number(pynvml.nvmlDeviceGetMaxPcieLinkWidth, handle),
+        rows_pending=int(bool(rows[2])) if rows is not None else None,
+        rows_failed=int(bool(rows[3])) if rows is not None else None,
+        recovery_action=recovery_action(handle),
     )
 
 
@@ -126,6 +138,32 @@ def _ecc(handle: Any, error_type: int) -> int | None:
     # Volatile counters move as errors happen; aggregate ones may only be updated at unload.
     count = _query(pynvml.nvmlDeviceGetTotalEccErrors, handle, error_type, pynvml.NVML_VOLATILE_ECC)
     return int(count) if count is not None else None
+
+
+def _clock_event_reasons(handle: Any) -> int | None:
+    try:
+        return int(pynvml.nvmlDeviceGetCurrentClocksEventReasons(handle))
+    except pynvml.NVMLError_FunctionNotFound:
+        pass  # a driver before R535 knows the query by its older name only
+    except pynvml.NVMLError_Uninitialized:
+        raise
+    except pynvml.NVMLError:
+        return None
+    return _number(pynvml.nvmlDeviceGetCurrentClocksThrottleReasons, handle)
+
+
+def _pcie_generation_max(handle: Any) -> int | None:
+    """The most the link can train at with this GPU in this slot: a GPU in a slower slot is not
+    a downgraded one. The GPU's own maximum when the driver does not say."""
+    found = _number(pynvml.nvmlDeviceGetMaxPcieLinkGeneration, handle)
+    if found is None:
+        found = _number(pynvml.nvmlDeviceGetGpuMaxPcieLinkGeneration, handle)
+    return found
+
+
+def _number(query: Callable[[Any], object], handle: Any) -> int | None:
+    value = _query(query, handle)
+    return int(value) if isinstance(value, int) else None
 
 
 def _migs(handle: Any) -> list[DeviceTelemetry]:

@@ -17,11 +17,12 @@ import re
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from edl_agent.config import HealthSettings, RemediationSettings
+from edl_agent.config import HealthSettings
 from edl_agent.devices.hostroot import HostRoot, ToolError
 from edl_agent.devices.model import Device, Vendor
 from edl_agent.health.nvml_reset import ACTION_NONE, LOST, RECOVERY_ACTION, read_baselines
 from edl_agent.health.vendor_readings import POLLERS, poll
+from edl_agent.health_settings import RemediationSettings
 
 HOUR = 3600.0
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -158,7 +159,7 @@ def validate_reset(root: HostRoot, device: Device, settings: HealthSettings) -> 
     result = poll(device.vendor, root, [device], settings)
     if not result.ok:
         return "; ".join(e.detail for e in result.events) or "the tool failed"
-    severe = [e for e in result.events if e.device_id == device.id and e.level.unhealthy]
+    severe = [e for e in result.events if e.device_id == device.id and e.level.kept]
     return f"{severe[0].reason}: {severe[0].detail}" if severe else None
 
 

@@ -24,7 +24,7 @@ MIN_INTERVAL_SECONDS = 5.0
 
 
 def _turned(change: HealthChange) -> bool:
-    return bool(change.turned)
+    return bool(change.turned or change.degraded)
 
 
 class ResetEvidence:
@@ -58,8 +58,9 @@ class ResetEvidence:
         self._wake.set()
 
     def check(self) -> bool:
-        """Look for evidence that quarantined NVIDIA devices were reset (NVML); a device just
-        quarantined gets its baseline. True while a device waits for a reset."""
+        """Look for evidence that quarantined (or degraded until reset) NVIDIA devices were reset
+        (NVML); a device just quarantined gets its baseline. True while a device waits for a
+        reset."""
         if self._hub.boot_id is None:
             boot_id = read_boot_id(self._root.read_optional)
             if boot_id is not None:

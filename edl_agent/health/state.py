@@ -25,10 +25,28 @@ class Snapshot:
     # not hand them out, so kubelet is told they are unavailable.
     withheld: frozenset[str] = frozenset()
     unavailable: frozenset[str] = frozenset()
+    # Degraded devices (physical ids, and with `degraded_all` MIG devices of a degraded GPU):
+    # they serve the pods on them but are advertised unavailable, so kubelet places no new one.
+    degraded: frozenset[str] = frozenset()
+    degraded_all: frozenset[str] = frozenset()
+    # Shadow mode (`health.shadow`): health is known and reported, but no device is withdrawn
+    # from kubelet, DRA or Volcano for it.
+    shadow: bool = False
+
+    @property
+    def withdrawn(self) -> frozenset[str]:
+        """The unhealthy devices as kubelet, DRA and Volcano are told (none in shadow mode)."""
+        return frozenset() if self.shadow else self.unhealthy_all
+
+    @property
+    def withdrawn_degraded(self) -> frozenset[str]:
+        """The degraded physical devices as DRA is told (none in shadow mode)."""
+        return frozenset() if self.shadow else self.degraded
 
     def unit_health(self, unit: ResourceUnit) -> Health:
         """A unit is as healthy as its physical device, and a MIG device as its parent GPU; a
-        device a DRA claim holds reads Unhealthy to kubelet's device-plugin side."""
+        device a DRA claim holds, or a degraded one, reads Unhealthy to kubelet's device-plugin
+        side (no new pod is placed on it; the pods on it keep running)."""
         return Health.UNHEALTHY if unit.device_id in self.unavailable else Health.HEALTHY
 
     def is_unhealthy(self, device_id: str) -> bool:
@@ -41,12 +59,20 @@ class Snapshot:
 
 
 def _snapshot(
-    version: int, inventory: Inventory, unhealthy: frozenset[str], withheld: frozenset[str]
+    version: int,
+    inventory: Inventory,
+    unhealthy: frozenset[str],
+    withheld: frozenset[str],
+    degraded: frozenset[str],
+    *,
+    shadow: bool,
 ) -> Snapshot:
     partial = Snapshot(
         version=version,
         inventory=inventory,
         unhealthy=unhealthy,
+        degraded=degraded,
+        shadow=shadow,
         devices={d.id: d for d in inventory.devices},
         resources={r.name: r for r in inventory.resources},
         units={r.name: {u.id: u for u in r.units} for r in inventory.resources},
@@ -59,20 +85,34 @@ def _with_unhealthy(
     version: int,
     unhealthy: frozenset[str],
     withheld: frozenset[str] | None = None,
+    degraded: frozenset[str] | None = None,
 ) -> Snapshot:
-    """`snapshot` with another unhealthy (or withheld) set: the maps derived from the inventory
-    are kept (a health change on the hot path must not rebuild thousands of share units)."""
+    """`snapshot` with another unhealthy (or withheld, or degraded) set: the maps derived from
+    the inventory are kept (a health change on the hot path must not rebuild thousands of share
+    units)."""
     held = snapshot.withheld if withheld is None else withheld
-    partial = dataclasses.replace(snapshot, version=version, unhealthy=unhealthy, withheld=held)
+    worn = snapshot.degraded if degraded is None else degraded
+    partial = dataclasses.replace(
+        snapshot, version=version, unhealthy=unhealthy, withheld=held, degraded=worn
+    )
     unhealthy_all = frozenset(d for d in partial.devices if partial.is_unhealthy(d))
+    degraded_all = frozenset(
+        d.id
+        for d in partial.devices.values()
+        if d.id not in unhealthy_all and (d.id in worn or d.parent in worn)
+    )
     parents = _parents(partial, held)
     related = frozenset(
         d.id
         for d in partial.devices.values()
         if d.id in held or d.parent in held or d.id in parents
     )
+    withdrawn = frozenset() if partial.shadow else unhealthy_all | degraded_all
     return dataclasses.replace(
-        partial, unhealthy_all=unhealthy_all, unavailable=unhealthy_all | related
+        partial,
+        unhealthy_all=unhealthy_all,
+        degraded_all=degraded_all,
+        unavailable=withdrawn | related,
     )
 
 
@@ -89,10 +129,12 @@ def _parents(snapshot: Snapshot, ids: frozenset[str]) -> set[str]:
 class DeviceState:
     """Thread-safe holder of the latest snapshot, with change notification."""
 
-    def __init__(self, inventory: Inventory) -> None:
+    def __init__(self, inventory: Inventory, *, shadow: bool = False) -> None:
+        """`shadow`: report health without withdrawing devices (see `Snapshot.shadow`)."""
         self._changed = threading.Condition()
         self._closed = False
-        self._current = _snapshot(1, inventory, frozenset(), frozenset())
+        empty: frozenset[str] = frozenset()
+        self._current = _snapshot(1, inventory, empty, empty, empty, shadow=shadow)
         self._allocated: dict[str, float] = {}
 
     def hand_out(self, device_ids: Collection[str], now: float) -> frozenset[str]:
@@ -101,7 +143,7 @@ class DeviceState:
         held, and then records nothing. One lock with `reserve_for_claim`: never both."""
         with self._changed:
             current = self._current
-            held = current.unavailable - current.unhealthy_all
+            held = current.unavailable - current.unhealthy_all - current.degraded_all
             refused = frozenset(d for d in device_ids if d in held)
             if not refused:
                 for device_id in device_ids:
@@ -143,18 +185,29 @@ class DeviceState:
             if inventory == current.inventory:
                 return False
             self._publish(
-                _snapshot(current.version + 1, inventory, current.unhealthy, current.withheld)
+                _snapshot(
+                    current.version + 1,
+                    inventory,
+                    current.unhealthy,
+                    current.withheld,
+                    current.degraded,
+                    shadow=current.shadow,
+                )
             )
             return True
 
-    def set_unhealthy(self, device_ids: Collection[str]) -> bool:
-        """Replace the set of devices found unhealthy by watchers; True when it changed."""
+    def set_unhealthy(
+        self, device_ids: Collection[str], degraded: Collection[str] | None = None
+    ) -> bool:
+        """Replace the set of devices found unhealthy by watchers (and, when given, the set of
+        degraded ones); True when it changed."""
         with self._changed:
             current = self._current
             unhealthy = frozenset(device_ids)
-            if unhealthy == current.unhealthy:
+            worn = current.degraded if degraded is None else frozenset(degraded)
+            if unhealthy == current.unhealthy and worn == current.degraded:
                 return False
-            self._publish(_with_unhealthy(current, current.version + 1, unhealthy))
+            self._publish(_with_unhealthy(current, current.version + 1, unhealthy, degraded=worn))
             return True
 
     def set_withheld(self, device_ids: Collection[str]) -> bool:

@@ -11,6 +11,10 @@ that clears its kind (`health.model.ends`):
 - `reboot`: the node's boot id changed;
 - `release`: an operator released the device.
 
+A Degraded condition (`Level.DEGRADED`: a fault is coming, the device still serves its pod) is
+kept and cleared the same way; a device is Unhealthy while any condition is severe, Degraded while
+only Degraded ones are open, and transitions name the state it moved to.
+
 Time alone ends nothing severe. Ignore/warn events are only counted. Vendor-wide events
 (`device_id` None) are about the vendor's monitor: a severe one (NVML cannot start) makes every
 device of the vendor unhealthy until its `cleared` event; a warning (a vendor tool failing) marks
@@ -31,6 +35,7 @@ from edl_agent.devices.model import Device, Vendor
 from edl_agent.health.model import ClearsBy, Evidence, HealthEvent, Level, ends
 
 HEALTHY = "Healthy"
+DEGRADED = "Degraded"
 UNHEALTHY = "Unhealthy"
 
 # Stricter first: when one reason is reported with two clearing kinds, the stricter holds.
@@ -58,7 +63,7 @@ class Condition:
 @dataclass(frozen=True)
 class Transition:
     device_id: str
-    to: str  # Healthy / Unhealthy
+    to: str  # Healthy / Degraded / Unhealthy
     reason: str
     detail: str = ""
     evidence: Evidence | None = None  # what ended it (to Healthy)
@@ -78,7 +83,7 @@ class HealthCounters:
 def _default_clears_by(event: HealthEvent) -> ClearsBy:
     if event.clears_by is not None:
         return event.clears_by
-    return ClearsBy.CONDITION if event.level.unhealthy else ClearsBy.NOTHING
+    return ClearsBy.CONDITION if event.level.kept else ClearsBy.NOTHING
 
 
 class HealthTracker:
@@ -112,35 +117,46 @@ class HealthTracker:
         self._vendor_of[device_id] = event.vendor
         if event.cleared:
             return self.clear([device_id], Evidence.GONE, reasons={event.reason})
-        if not event.level.unhealthy:
+        if not event.level.kept:
             return []
         clears_by = self._clears_by(event)
         if clears_by is ClearsBy.NOTHING:
             return []
         conditions = self._device.setdefault(device_id, {})
         current = conditions.get(event.reason)
-        if current is not None:  # a repeat: no transition, whatever the flood
+        if current is not None and event.level.rank <= current.level.rank:
+            # A repeat: no transition, whatever the flood.
             conditions[event.reason] = replace(
                 current,
-                level=max(current.level, event.level, key=_LEVEL_RANK.__getitem__),
                 last_seen=event.at,
                 detail=event.detail or current.detail,
                 clears_by=max(current.clears_by, clears_by, key=_STRICTNESS.index),
                 count=current.count + 1,
             )
             return []
-        was = self._unhealthy_device(device_id)
-        conditions[event.reason] = Condition(
-            reason=event.reason,
-            level=event.level,
-            since=event.at,
-            last_seen=event.at,
-            detail=event.detail,
-            clears_by=clears_by,
-        )
-        if was:
+        was = self.state_of(device_id)
+        if current is not None:  # the same reason, now more severe (degraded, then failed)
+            conditions[event.reason] = replace(
+                current,
+                level=event.level,
+                last_seen=event.at,
+                detail=event.detail or current.detail,
+                clears_by=max(current.clears_by, clears_by, key=_STRICTNESS.index),
+                count=current.count + 1,
+            )
+        else:
+            conditions[event.reason] = Condition(
+                reason=event.reason,
+                level=event.level,
+                since=event.at,
+                last_seen=event.at,
+                detail=event.detail,
+                clears_by=clears_by,
+            )
+        now = self.state_of(device_id)
+        if now == was:
             return []
-        return self._counted([Transition(device_id, UNHEALTHY, event.reason, event.detail)])
+        return self._counted([Transition(device_id, now, event.reason, event.detail)])
 
     def _observe_vendor(self, event: HealthEvent, devices: Iterable[Device]) -> list[Transition]:
         listed = list(devices)
@@ -186,8 +202,8 @@ class HealthTracker:
             conditions = self._device.get(device_id)
             if not conditions:
                 continue
-            was = self._unhealthy_device(device_id)
-            worst = _worst(conditions.values())
+            was = self.state_of(device_id)
+            worst = _worst(self._of_state(conditions.values(), was))
             for reason, condition in list(conditions.items()):
                 if reasons is not None and reason not in reasons:
                     continue
@@ -195,8 +211,14 @@ class HealthTracker:
                     continue
                 if ends(condition.clears_by, evidence):
                     del conditions[reason]
-            if was and not self._unhealthy_device(device_id):
-                changes.append(Transition(device_id, HEALTHY, worst.reason, evidence=evidence))
+            now = self.state_of(device_id)
+            if now == was:
+                continue
+            if now == DEGRADED:
+                left = _worst(self._of_state(conditions.values(), DEGRADED))
+                changes.append(Transition(device_id, now, left.reason, left.detail, evidence))
+            else:
+                changes.append(Transition(device_id, now, worst.reason, evidence=evidence))
         return self._counted(changes)
 
     def expire(self, now: float) -> list[Transition]:
@@ -260,19 +282,44 @@ class HealthTracker:
     def conditions(self, device_id: str) -> list[Condition]:
         return list(self._device.get(device_id, {}).values())
 
+    def open_conditions(self) -> dict[str, list[Condition]]:
+        """Every device's open conditions (Degraded or worse), by device."""
+        return {d: list(c.values()) for d, c in self._device.items() if c}
+
+    def state_of(self, device_id: str) -> str:
+        """Healthy, Degraded or Unhealthy."""
+        if self._unhealthy_device(device_id):
+            return UNHEALTHY
+        conditions = self._device.get(device_id, {}).values()
+        return DEGRADED if any(c.level is Level.DEGRADED for c in conditions) else HEALTHY
+
     def unhealthy(self, devices: Iterable[Device]) -> dict[str, Condition]:
         """Every unhealthy device (of `devices`, plus those only known by id) and its worst,
         most recent condition."""
         result: dict[str, Condition] = {}
         for device_id, conditions in self._device.items():
-            if conditions:
-                result[device_id] = _worst(conditions.values())
+            severe = [c for c in conditions.values() if c.level.unhealthy]
+            if severe:
+                result[device_id] = _worst(severe)
         for device in devices:
             vendor_conditions = self._vendor.get(device.vendor)
             if vendor_conditions:
                 own = result.get(device.id)
                 candidates = [*vendor_conditions.values(), *([own] if own else [])]
                 result[device.id] = _worst(candidates)
+        return result
+
+    def degraded(self, devices: Iterable[Device]) -> dict[str, Condition]:
+        """Every degraded device (one with a Degraded condition and none worse, of `devices`
+        plus those only known by id) and its worst, most recent Degraded condition."""
+        unhealthy = self.unhealthy(devices)
+        result: dict[str, Condition] = {}
+        for device_id, conditions in self._device.items():
+            if device_id in unhealthy:
+                continue
+            found = [c for c in conditions.values() if c.level is Level.DEGRADED]
+            if found:
+                result[device_id] = _worst(found)
         return result
 
     def vendor_conditions(self) -> Mapping[Vendor, Condition]:
@@ -287,7 +334,7 @@ class HealthTracker:
     # --- internals -------------------------------------------------------------------------------
 
     def _unhealthy_device(self, device_id: str) -> bool:
-        if self._device.get(device_id):
+        if any(c.level.unhealthy for c in self._device.get(device_id, {}).values()):
             return True
         vendor = self._vendor_of.get(device_id)
         return vendor is not None and bool(self._vendor.get(vendor))
@@ -295,15 +342,26 @@ class HealthTracker:
     def _diff(
         self, before: Mapping[str, Condition], after: Mapping[str, Condition]
     ) -> list[Transition]:
+        gone = Evidence.GONE
         changes = [
             Transition(device_id, UNHEALTHY, after[device_id].reason, after[device_id].detail)
             for device_id in sorted(after.keys() - before.keys())
         ]
         changes += [
-            Transition(device_id, HEALTHY, before[device_id].reason, evidence=Evidence.GONE)
+            Transition(device_id, self.state_of(device_id), before[device_id].reason, "", gone)
             for device_id in sorted(before.keys() - after.keys())
         ]
         return self._counted(changes)
+
+    @staticmethod
+    def _of_state(conditions: Iterable[Condition], state: str) -> list[Condition]:
+        """The conditions that make a device `state` (all of them for Healthy: none)."""
+        listed = list(conditions)
+        if state == UNHEALTHY:
+            return [c for c in listed if c.level.unhealthy] or listed
+        if state == DEGRADED:
+            return [c for c in listed if c.level is Level.DEGRADED] or listed
+        return listed
 
     def _counted(self, changes: list[Transition]) -> list[Transition]:
         for change in changes:
@@ -311,11 +369,7 @@ class HealthTracker:
         return changes
 
 
-_LEVEL_RANK = {Level.IGNORE: 0, Level.WARN: 1, Level.DEVICE_FATAL: 2, Level.NODE_FATAL: 3}
-
-
 def _worst(conditions: Iterable[Condition]) -> Condition:
     return max(
-        conditions,
-        key=lambda c: (_STRICTNESS.index(c.clears_by), _LEVEL_RANK[c.level], c.last_seen),
+        conditions, key=lambda c: (_STRICTNESS.index(c.clears_by), c.level.rank, c.last_seen)
     )

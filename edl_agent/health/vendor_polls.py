@@ -76,7 +76,7 @@ class VendorPolls:
             return
         reported: dict[str, set[str]] = {}
         for event in result.events:
-            if event.device_id is not None and event.level.unhealthy:
+            if event.device_id is not None and event.level.kept:
                 reported.setdefault(event.device_id, set()).add(event.reason)
         self._hub.polled_ok(vendor, result.checked, reported, POLLED_REASON_PREFIXES)
 

@@ -4,10 +4,10 @@ health hub with every part that feeds it or follows it (`NodeHealth`).
 `read_node` is all the disk the start needs: device discovery, the boot id, the quarantine an
 earlier run saved. `NodeHealth` builds on it without touching a disk (the restored quarantine is
 saved by the writer part once it runs), and `add_parts` hands its parts to the supervisor: the NVML
-watcher (on an NVIDIA node), rocm_smi's event watcher (on a Hygon node whose library loads),
-DCMI's fault-event watcher (on an Ascend node whose library loads), the quarantine writer,
-device-node presence and re-discovery, reset evidence, quiet periods, the vendor polls and
-remediation (when enabled).
+watcher and the reader of its warnings (on an NVIDIA node), rocm_smi's event watcher (on a Hygon
+node whose library loads), DCMI's fault-event watcher (on an Ascend node whose library loads), the
+quarantine writer, device-node presence and re-discovery, reset evidence, quiet periods, the
+vendor polls and remediation (when enabled).
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import structlog
 
 from edl_agent.config import Settings
 from edl_agent.devices.discovery import discover_node
@@ -38,6 +40,7 @@ from edl_agent.health.reset_watch import ResetEvidence
 from edl_agent.health.rocm_smi_watch import RocmSmiWatcher
 from edl_agent.health.state import DeviceState, Snapshot
 from edl_agent.health.vendor_polls import VendorPolls
+from edl_agent.health.wear_watch import WearWatch
 from edl_agent.kubelet.podresources import Claimable, PodResourcesClient
 from edl_agent.runtime.backoff import Backoff
 from edl_agent.runtime.steps import Steps
@@ -61,7 +64,7 @@ def read_node(settings: Settings) -> NodeAtStart:
     """Discover the node's devices; read its boot id and the quarantine saved in the state
     directory."""
     started = time.monotonic()
-    state = DeviceState(discover_node(settings))
+    state = DeviceState(discover_node(settings), shadow=settings.health.shadow)
     seconds = time.monotonic() - started
     boot_id = read_boot_id(HostRoot.at(settings.host_root).read_optional)
     directory = settings.faults.state_dir
@@ -121,11 +124,16 @@ class NodeHealth:
         self.resets = ResetEvidence(self.hub, self.root, waker(), interval=lambda: evidence_seconds)
         self.quiet = QuietPeriods(self.hub, waker())
         self.nvml: NvmlWatcher | None = None  # made with the parts, on an NVIDIA node
+        self.wear: WearWatch | None = None  # likewise, when `health.degraded.enabled`
         self._waker = waker
 
     def add_parts(self, supervisor: Supervisor, steps: Steps) -> None:
         """Hand every health part to `supervisor`; the presence check is a step of `steps`."""
         health, add, waker = self._settings.health, supervisor.add, self._waker
+        if health.shadow:
+            structlog.get_logger().bind(part="health").warning(
+                "shadow mode: device health is reported, no device is withdrawn or reset"
+            )
         if any(r.vendor is Vendor.NVIDIA for r in self.state.snapshot().inventory.reports):
             self.nvml = NvmlWatcher(
                 self.root,
@@ -135,6 +143,9 @@ class NodeHealth:
             )
             retry = Backoff(health.nvml_retry_seconds, health.nvml_retry_seconds)
             add(self.nvml, critical=False, backoff=retry, stop_seconds=NVML_STOP_SECONDS)
+            if health.degraded.enabled:
+                self.wear = WearWatch(self.hub, self.root, health.degraded, waker())
+                add(self.wear, critical=False, backoff=retry)
         vendors = {r.vendor for r in self.state.snapshot().inventory.reports}
         retry = Backoff(health.nvml_retry_seconds, health.nvml_retry_seconds)
         if Vendor.HYGON in vendors and rocm_smi_usable(self.root):
@@ -154,5 +165,5 @@ class NodeHealth:
         parts: list[Part] = [presence, self.inventory.rediscovery(), self.resets, self.quiet]
         for part in [*parts, *self.polls.parts(waker)]:
             add(part)
-        if health.remediation.enabled:
+        if health.remediation.enabled and not health.shadow:
             add(self.remediation.part(waker()), critical=False)

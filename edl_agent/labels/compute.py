@@ -11,10 +11,12 @@ Vendor-neutral labels, for each vendor with at least one device (`<vendor>`: `nv
 |---|---|
 | `edl.io/accelerator.vendors` | the vendors, sorted, joined by `.`: `ascend.nvidia` |
 | `edl.io/accelerator.count` | physical devices of every vendor |
-| `edl.io/accelerator.healthy` | of those, the ones neither unhealthy nor cordoned |
+| `edl.io/accelerator.healthy` | of those, the ones neither unhealthy, degraded nor cordoned |
+| `edl.io/accelerator.degraded` | of those, the degraded ones (serving their pods, no new ones) |
 | `edl.io/<vendor>.product` | the vendor's most common product: `NVIDIA-H100-80GB-HBM3` |
 | `edl.io/<vendor>.count` | physical devices (MIG devices and shares are not counted) |
-| `edl.io/<vendor>.healthy` | physical devices neither unhealthy nor cordoned |
+| `edl.io/<vendor>.healthy` | physical devices neither unhealthy, degraded nor cordoned |
+| `edl.io/<vendor>.degraded` | physical devices degraded (a fault is coming; not unhealthy) |
 | `edl.io/<vendor>.memory-mib` | memory of one device of that product in MiB (the smallest) |
 | `edl.io/<vendor>.driver` | the driver version, when the vendor reports one |
 | `edl.io/<vendor>.sharing` | how devices are split: `none`, or a `.`-joined list (below) |
@@ -93,23 +95,28 @@ def node_labels(
     settings: Settings,
     machine: str | None,
     cordoned: Collection[str] = (),
+    degraded: Collection[str] = (),
 ) -> dict[str, str]:
     """Every label this agent owns for the node, from what was discovered and what is unhealthy
-    (`unhealthy` and `cordoned` are device ids; a MIG device's parent decides its health)."""
+    (`unhealthy`, `cordoned` and `degraded` are device ids; a MIG device's parent decides its
+    health)."""
     reports = [r for r in inventory.reports if _physical(r.devices)]
     labels: dict[str, str] = {}
     if not reports:
         return labels
-    down = set(unhealthy) | set(cordoned)
-    total = healthy = 0
+    down = set(unhealthy) | set(cordoned) | set(degraded)
+    total = healthy = worn = 0
     for report in reports:
         devices = _physical(report.devices)
         fine = sum(d.health is Health.HEALTHY and d.id not in down for d in devices)
-        total, healthy = total + len(devices), healthy + fine
+        warned = sum(d.id in degraded and d.id not in unhealthy for d in devices)
+        total, healthy, worn = total + len(devices), healthy + fine, worn + warned
         labels.update(_vendor_labels(report, devices, fine, settings))
+        labels[f"{EDL}{report.vendor.value}.degraded"] = str(warned)
     labels[f"{EDL}accelerator.vendors"] = ".".join(sorted(r.vendor.value for r in reports))
     labels[f"{EDL}accelerator.count"] = str(total)
     labels[f"{EDL}accelerator.healthy"] = str(healthy)
+    labels[f"{EDL}accelerator.degraded"] = str(worn)
     nvidia = next((r for r in reports if r.vendor is Vendor.NVIDIA), None)
     if nvidia is not None:
         labels.update(nvidia_labels(nvidia, settings=settings, machine=machine))

@@ -10,6 +10,9 @@
 - `message` says how many devices are unhealthy and names each one — vendor, index and id — with
   its fault as the health monitor reported it (`XID79`), the detail and what it waits for (a
   reset, a reboot, an operator's release); at most 1024 characters.
+- degraded devices (a fault is coming; they serve their pods and take no new ones) change neither
+  status nor a `False` reason: with none unhealthy the reason is `AcceleratorsDegraded`, and the
+  message names each degraded device, its warning and what ends it, after the unhealthy ones.
 - no device at all is a finding, not health: status `Unknown`, reason `NoAcceleratorsFound`, and
   a message on why it may be (the host root not mounted, an accelerator the PCI bus shows but
   no driver or tool found, a vendor disabled in the settings, a vendor's discovery error, a
@@ -45,6 +48,7 @@ from edl_agent.labels.cordon import RELEASE_DEVICES
 
 CONDITION_TYPE = "AcceleratorHealthy"
 HEALTHY_REASON = "AcceleratorsHealthy"
+DEGRADED_REASON = "AcceleratorsDegraded"
 NO_DEVICES_REASON = "NoAcceleratorsFound"
 MAX_MESSAGE = 1024
 ACRONYMS = frozenset(
@@ -112,6 +116,7 @@ class AcceleratorHealth:
     message: str
     faults: tuple[DeviceFault, ...] = ()
     unknown: bool = False  # a monitor fails and no device is known to be unhealthy
+    degraded: tuple[DeviceFault, ...] = ()
 
     @property
     def status(self) -> str:
@@ -126,10 +131,14 @@ def accelerator_health(
     unhealthy: Mapping[str, Condition],
     monitors: Mapping[Vendor, Condition] | None = None,
     unsaved: Unsaved | None = None,
+    degraded: Mapping[str, Condition] | None = None,
 ) -> AcceleratorHealth:
     """The condition for `unhealthy` (device id → its worst condition) on this inventory, the
-    vendors whose health monitor fails (`monitors`) and what the disk refused (`unsaved`)."""
-    health = _health(inventory=inventory, unhealthy=unhealthy, monitors=monitors)
+    vendors whose health monitor fails (`monitors`), the `degraded` devices (id → condition) and
+    what the disk refused (`unsaved`)."""
+    health = _health(
+        inventory=inventory, unhealthy=unhealthy, monitors=monitors, degraded=degraded or {}
+    )
     if not unsaved:
         return health
     note = (
@@ -144,14 +153,56 @@ def _health(
     inventory: Inventory,
     unhealthy: Mapping[str, Condition],
     monitors: Mapping[Vendor, Condition] | None,
+    degraded: Mapping[str, Condition],
 ) -> AcceleratorHealth:
     devices = {d.id: d for d in inventory.devices}
     physical = sum(d.parent is None for d in inventory.devices)
+    faults = _faults(unhealthy, devices)
+    failing = sorted((monitors or {}).items(), key=lambda item: item[0].value)
+    warned = _faults(degraded, devices)
+    note = "".join(
+        f"; {vendor.value} health monitor failing: {c.reason}"
+        + (f" ({c.detail})" if c.detail else "")
+        for vendor, c in failing
+    )
+    if warned:
+        note += f"; {len(warned)} degraded: " + "; ".join(f.describe() for f in warned)
+    if not faults and not inventory.devices:
+        return no_accelerators(inventory)
+    return replace(_summary(faults, failing, note, physical, warned=bool(warned)), degraded=warned)
+
+
+def _summary(
+    faults: tuple[DeviceFault, ...],
+    failing: list[tuple[Vendor, Condition]],
+    note: str,
+    physical: int,
+    *,
+    warned: bool,
+) -> AcceleratorHealth:
+    if not faults:
+        if failing:
+            message = _cut(f"health of {physical} accelerators unknown" + note)
+            reason = condition_reason(failing[0][1].reason)
+            return AcceleratorHealth(True, reason, message, unknown=True)
+        if warned:
+            message = _cut(f"all {physical} accelerators in service" + note)
+            return AcceleratorHealth(True, DEGRADED_REASON, message)
+        return AcceleratorHealth(True, HEALTHY_REASON, f"all {physical} accelerators healthy")
+    head = f"{len(faults)} of {max(physical, len(faults))} accelerators unhealthy: "
+    message = _cut(head + "; ".join(f.describe() for f in faults) + note)
+    return AcceleratorHealth(False, condition_reason(faults[0].reason), message, faults)
+
+
+def _faults(
+    conditions: Mapping[str, Condition], devices: Mapping[str, Device]
+) -> tuple[DeviceFault, ...]:
+    """Worst first (node-fatal before device-fatal), then the oldest."""
     ordered = sorted(
-        unhealthy.items(),
+        conditions.items(),
         key=lambda item: (_SEVERITY.get(item[1].level, 2), item[1].since, _order(item, devices)),
     )
-    faults = tuple(
+    return tuple(
         DeviceFault(
             device_id=device_id,
             name=device_name(devices.get(device_id), device_id),
@@ -162,23 +213,6 @@ def _health(
         )
         for device_id, condition in ordered
     )
-    failing = sorted((monitors or {}).items(), key=lambda item: item[0].value)
-    note = "".join(
-        f"; {vendor.value} health monitor failing: {c.reason}"
-        + (f" ({c.detail})" if c.detail else "")
-        for vendor, c in failing
-    )
-    if not faults and not inventory.devices:
-        return no_accelerators(inventory)
-    if not faults:
-        if failing:
-            message = _cut(f"health of {physical} accelerators unknown" + note)
-            reason = condition_reason(failing[0][1].reason)
-            return AcceleratorHealth(True, reason, message, unknown=True)
-        return AcceleratorHealth(True, HEALTHY_REASON, f"all {physical} accelerators healthy")
-    head = f"{len(faults)} of {max(physical, len(faults))} accelerators unhealthy: "
-    message = _cut(head + "; ".join(f.describe() for f in faults) + note)
-    return AcceleratorHealth(False, condition_reason(faults[0].reason), message, faults)
 
 
 def no_accelerators(inventory: Inventory) -> AcceleratorHealth:

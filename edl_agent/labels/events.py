@@ -2,6 +2,8 @@
 
 - `AcceleratorUnhealthy` (Warning) when a device turns unhealthy or its fault changes; the message
   names the device (vendor, index, id), the fault and its detail.
+- `AcceleratorDegraded` (Warning) when a device turns degraded (a fault is coming: it serves its
+  pods and takes no new ones) or its warning changes, unless it is unhealthy.
 - `AcceleratorRecovered` (Normal) when it is healthy again; the message names the fault it had.
 - Deduplicated: the same type, reason and message again within the window bumps the `count` of
   the event already sent instead of creating another (as kubelet's recorder does).
@@ -22,6 +24,7 @@ WARNING = "Warning"
 NORMAL = "Normal"
 UNHEALTHY_REASON = "AcceleratorUnhealthy"
 RECOVERED_REASON = "AcceleratorRecovered"
+DEGRADED_REASON = "AcceleratorDegraded"
 MAX_REMEMBERED = 256
 
 
@@ -36,19 +39,33 @@ class EventSpec:
         return (self.type, self.reason, self.message)
 
 
-def health_events(before: Sequence[DeviceFault], after: Sequence[DeviceFault]) -> list[EventSpec]:
-    """Events for the change from `before` to `after` (faults of the last and this sync)."""
+def health_events(
+    before: Sequence[DeviceFault],
+    after: Sequence[DeviceFault],
+    degraded_before: Sequence[DeviceFault] = (),
+    degraded_after: Sequence[DeviceFault] = (),
+) -> list[EventSpec]:
+    """Events for the change from `before` to `after` (unhealthy devices of the last and this
+    sync) and from `degraded_before` to `degraded_after` (degraded ones)."""
     old = {f.device_id: f for f in before}
     new = {f.device_id: f for f in after}
+    old_worn = {f.device_id: f for f in degraded_before}
+    new_worn = {f.device_id: f for f in degraded_after}
     events = [
         EventSpec(WARNING, UNHEALTHY_REASON, f"{fault.name} unhealthy: {fault.summary}")
         for fault in after
         if fault.device_id not in old or old[fault.device_id].reason != fault.reason
     ]
     events += [
-        EventSpec(NORMAL, RECOVERED_REASON, f"{fault.name} healthy again (was {fault.reason})")
-        for fault in before
+        EventSpec(WARNING, DEGRADED_REASON, f"{fault.name} degraded: {fault.summary}")
+        for fault in degraded_after
         if fault.device_id not in new
+        and (fault.device_id not in old_worn or old_worn[fault.device_id].reason != fault.reason)
+    ]
+    events += [
+        EventSpec(NORMAL, RECOVERED_REASON, f"{fault.name} healthy again (was {fault.reason})")
+        for fault in [*before, *degraded_before]
+        if fault.device_id not in new and fault.device_id not in new_worn
     ]
     return events
 

@@ -68,6 +68,7 @@ class NodeUpdater:
         self._health: AcceleratorHealth | None = None
         self._condition: Mapping[str, Any] | None = None
         self._faults: tuple[DeviceFault, ...] = ()
+        self._degraded: tuple[DeviceFault, ...] = ()
 
     @property
     def log_only(self) -> bool:
@@ -86,8 +87,9 @@ class NodeUpdater:
         last sync, and the `announced` ones (remediation steps, releases). Each part is tried
         even when another fails; the first failure is raised."""
         desired = dict(labels)
-        events = [*health_events(self._faults, health.faults), *announced]
-        self._faults = health.faults
+        changed = health_events(self._faults, health.faults, self._degraded, health.degraded)
+        events = [*changed, *announced]
+        self._faults, self._degraded = health.faults, health.degraded
         labels_due = self.settings.labels != "off" and (force or desired != self._labels)
         condition_due = force or _shown(health) != _shown(self._health)
         labels_written = False

@@ -67,6 +67,7 @@ class NodePublisher:
         on_release: Callable[[Cordon], None] = lambda _: None,
         monitors: Callable[[], Mapping[Vendor, Condition]] = dict,
         unsaved: Callable[[], Unsaved] = Unsaved,
+        degraded: Callable[[], Mapping[str, Condition]] = dict,
     ) -> None:
         self._settings = settings
         self._state = state
@@ -78,6 +79,7 @@ class NodePublisher:
         self._announce_lock = threading.Lock()
         self._monitors = monitors
         self._unsaved = unsaved
+        self._degraded = degraded
         self.poke_event: threading.Event = StatePoke(state)
         node = state.snapshot().inventory.node
         self.updater = NodeUpdater(api=api, node_name=node, settings=settings.node)
@@ -152,18 +154,21 @@ class NodePublisher:
         elif release is None:
             self._released = None
         unhealthy = self._unhealthy()
+        degraded = self._degraded()
         labels = node_labels(
             inventory=inventory,
             unhealthy=unhealthy,
             settings=self._settings,
             machine=self._machine,
             cordoned=cordon.device_ids,
+            degraded=degraded,
         )
         health = accelerator_health(
             inventory=inventory,
             unhealthy=unhealthy,
             monitors=self._monitors(),
             unsaved=self._unsaved(),
+            degraded=degraded,
         )
         with self._announce_lock:
             announced, self._announced = self._announced, []

@@ -68,6 +68,7 @@ MANUALLY_SEPARATED = AscendFaultType.MANUALLY_SEPARATE_NPU.value
 _FROM_LEVEL: Mapping[Level, str] = {
     Level.IGNORE: AscendFaultType.NOT_HANDLE.value,
     Level.WARN: AscendFaultType.RESTART_BUSINESS.value,
+    Level.DEGRADED: AscendFaultType.SUB_HEALTH.value,
     Level.DEVICE_FATAL: AscendFaultType.RESTART_NPU.value,
     Level.NODE_FATAL: AscendFaultType.SEPARATE_NPU.value,
 }

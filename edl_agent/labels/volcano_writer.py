@@ -133,7 +133,7 @@ class VolcanoDeviceInfo:
     def _write_report(self, snapshot: Snapshot) -> None:
         report = npu_report(
             devices=snapshot.inventory.devices,
-            unhealthy=snapshot.unhealthy_all,
+            unhealthy=snapshot.withdrawn,
             conditions=self._conditions(),
             prefix=self._prefix,
             overrides=self._overrides,

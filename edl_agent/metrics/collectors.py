@@ -34,6 +34,7 @@ from edl_agent.health.model import DeviceTelemetry
 from edl_agent.health.state import Snapshot
 from edl_agent.kubelet.podresources import PodRef
 from edl_agent.metrics.inputs import AgentCounts, HealthCounts
+from edl_agent.metrics.wear import TELEMETRY_LABELS, WearFamilies
 
 MIB = 1024 * 1024
 
@@ -47,7 +48,6 @@ DEVICE_LABELS = (
     "pod",
     "container",
 )
-TELEMETRY_LABELS = ("vendor", "index", "device_id")
 
 T = TypeVar("T")
 
@@ -89,7 +89,7 @@ class EdlCollector:
 
     def describe(self) -> Iterable[Metric]:
         """The families without samples, so that a registry can refuse clashing names."""
-        return _Families().all()
+        return [*_Families().all(), *WearFamilies().all()]
 
     def collect(self) -> Iterator[Metric]:
         snapshot = self._read("snapshot", self._snapshot)
@@ -100,10 +100,14 @@ class EdlCollector:
         tools = self._read("tool_runs", self._tool_runs)
 
         families = _Families()
+        wear = WearFamilies()
         if snapshot is not None:
             self._device_health(families.healthy, snapshot, pods or {})
+            for device_id in snapshot.devices:
+                worn = 1.0 if device_id in snapshot.degraded_all else 0.0
+                wear.degraded.add_metric(_identity(snapshot, device_id), worn)
         if telemetry is not None:
-            _telemetry(families, snapshot, telemetry)
+            _telemetry(families, wear, snapshot, telemetry)
         if health is not None:
             _health(families, snapshot, health)
         if agent is not None:
@@ -116,6 +120,7 @@ class EdlCollector:
             for source, count in sorted(self._source_errors.items()):
                 families.source_errors.add_metric([source], count)
         yield from families.all()
+        yield from wear.all()
 
     def _device_health(
         self, family: GaugeMetricFamily, snapshot: Snapshot, pods: Mapping[str, Sequence[PodRef]]
@@ -186,7 +191,8 @@ class _Families:
     healthy: GaugeMetricFamily = field(
         default_factory=lambda: GaugeMetricFamily(
             "edl_device_healthy",
-            "1 when the device may be allocated, 0 when it is unhealthy (itself or its parent). "
+            "1 unless the device is unhealthy (itself or its parent): then 0. A degraded device "
+            "reads 1 (see edl_device_degraded). "
             "One series per container holding the device; pod labels are empty when none does.",
             labels=DEVICE_LABELS,
         )
@@ -392,7 +398,10 @@ class _Families:
 
 
 def _telemetry(
-    families: _Families, snapshot: Snapshot | None, telemetry: Iterable[DeviceTelemetry]
+    families: _Families,
+    wear: WearFamilies,
+    snapshot: Snapshot | None,
+    telemetry: Iterable[DeviceTelemetry],
 ) -> None:
     latest = {reading.device_id: reading for reading in telemetry}
     for device_id, reading in sorted(latest.items()):
@@ -413,6 +422,7 @@ def _telemetry(
         ):
             if total is not None:
                 families.ecc.add_metric([*labels, kind], total)
+        wear.add(labels, reading)
 
 
 def _health(families: _Families, snapshot: Snapshot | None, counts: HealthCounts) -> None:

@@ -132,7 +132,7 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
     ) -> api_pb2.AllocateResponse:
         snapshot = self._state.snapshot()
         units = snapshot.units.get(self.resource, {})
-        unhealthy = snapshot.unhealthy_all
+        unhealthy = snapshot.withdrawn
         responses = []
         for container in request.container_requests:
             try:

@@ -16,6 +16,9 @@
  *            [minor=0] [numa_node=0] [compute_capability=9.0] [architecture=9] [brand=14]
  *            [serial=...] [mig=unsupported|disabled|enabled] [power_limit_w=700] [nvlinks=18]
  *            [cpus=0-31,64-95]   (the CPUs near the GPU, a cpulist as in sysfs)
+ *            [pcie_gen_max=5] [pcie_width_max=16]   (the fastest PCIe link the GPU trains at
+ *            in its slot; defaults: generation 5 from Hopper on, 4 for Ampere and Ada, 3 before
+ *            or unknown; width 16)
  *            [lost=1]   (fallen off the bus: every query on it and its MIG devices fails)
  *   mig      gpu=0  index=0  uuid=MIG-...  name=... MIG 3g.40gb  memory_mib=40192
  *            gpu_instance=1  compute_instance=0
@@ -36,29 +39,51 @@
  *                                      action: the GPU recovery action the driver reports after
  *                                      it, nvmlDeviceGpuRecoveryAction_t, e.g. 1 GPU_RESET)
  *   ecc_dbe    gpu=3                   a double-bit ECC error: uncorrected counters + 1
- *   ecc_sbe    gpu=3                   a single-bit ECC error: corrected counters + 1
+ *   ecc_sbe    gpu=3 [count=N]         single-bit ECC errors: corrected counters + N (default 1);
+ *                                      one event per line whatever N, so a test can add many
+ *                                      errors without a flood of events
  *   lost       gpu=3                   the GPU falls off the bus (recovery action NODE_REBOOT)
  *   recover    gpu=3                   a lost GPU answers again
  *   reset      gpu=3                   the GPU was reset: volatile ECC counters back to 0, pending
- *                                      row remapping applied, recovery action NONE; a reset does
- *                                      not reach a lost GPU or one that needs a reboot
+ *                                      row remapping applied, the PCIe link trained at its maximum
+ *                                      again, recovery action NONE; a reset does not reach a lost
+ *                                      GPU or one that needs a reboot
  *   reboot                             the node rebooted: every GPU as after a reset, lost GPUs
- *                                      back, init_fail off (aggregate ECC counters stay)
+ *                                      back, init_fail off (aggregate ECC counters, failed row
+ *                                      remappings and clocks-event reasons stay)
  *   init_fail  on|off                  nvmlInit fails with NVML_ERROR_DRIVER_NOT_LOADED while on
  *   telemetry  gpu=3 [temperature_c=N] [power_w=N] [utilization=N] [memory_used_mib=N]
+ *   clocks     gpu=3 reasons=0x48      the current clocks-event (throttle) reasons, a bit mask
+ *                                      of nvmlClocksEventReason* in decimal or 0x hex, answered
+ *                                      exactly (reasons=0: none); until a clocks line, GPU_IDLE
+ *                                      (0x1) as an idle GPU reports. A reset does not change it:
+ *                                      a slowdown lasts while its cause (heat, power) does
+ *   pcie       gpu=3 [gen=N] [width=N] the link trained at this generation and/or width (a
+ *                                      downgrade; at most the maximum); a reset restores both
+ *   remap      gpu=3 [pending=N] [failed=N]
+ *                                      N rows of memory wait to be remapped / could not be
+ *                                      remapped (each given value replaces the last). Pending
+ *                                      rows count as remapped uncorrectable rows at once and are
+ *                                      applied by a reset (pending back to 0); a failed remapping
+ *                                      is kept in the InfoROM, so no reset or reboot clears it
+ *
+ * nvmlDeviceGetRemappedRows answers as NVML does: row counts (corrected 0; uncorrected one row per
+ * double-bit error plus the rows of remap lines) and two flags, isPending (rows of a remap line
+ * pending, or a double-bit error since the last reset) and failureOccurred (failed > 0).
  *
  * nvmlDeviceGetFieldValues answers NVML_FI_DEV_GET_GPU_RECOVERY_ACTION (what the driver says the
  * GPU needs: an XID with action=, a double-bit ECC error (GPU_RESET) or a lost GPU (NODE_REBOOT)
  * set it; reset and reboot clear it) and NOT_SUPPORTED for any other field.
  *
- * State (lost GPUs, init_fail, ECC counters, recovery actions, telemetry) is the fold of the whole file, redone
- * at the first nvmlInit of a process and brought up to date on later calls, so a restarted
- * agent still sees a lost GPU. Events go only to event sets that existed when the line was
- * appended: a set starts reading at the file's end when it is created, so nothing is replayed.
- * A malformed line is reported on stderr and skipped.
+ * State (lost GPUs, init_fail, ECC counters, recovery actions, telemetry, clocks, PCIe links, row
+ * remapping) is the fold of the whole file, redone at the first nvmlInit of a process and brought
+ * up to date on later calls, so a restarted agent still sees a lost GPU. Events go only to event
+ * sets that existed when the line was appended: a set starts reading at the file's end when it
+ * is created, so nothing is replayed. A malformed line is reported on stderr and skipped.
  *
  * Events, as a real driver reports them: xid -> nvmlEventTypeXidCriticalError with eventData =
- * code; ecc_dbe/ecc_sbe -> nvmlEventTypeDoubleBitEccError/SingleBitEccError; lost -> an XID 79
+ * code; ecc_dbe/ecc_sbe -> nvmlEventTypeDoubleBitEccError/SingleBitEccError (clocks, pcie and
+ * remap lines raise no event: NVML reports them only when asked); lost -> an XID 79
  * event (the driver's "GPU has fallen off the bus"), after which every query on that GPU and
  * its MIG devices returns NVML_ERROR_GPU_IS_LOST. The event's device is always the physical
  * GPU; for MIG, gpuInstanceId/computeInstanceId name the instance (0xFFFFFFFF when none).
@@ -68,7 +93,7 @@
  *
  * Layout of this file: NVML types, the device table, the data-file parser, the fault file,
  * then the API in groups (lifecycle, system, device identity, memory/PCI, MIG, MIG instances,
- * NVLink/topology, telemetry, ECC, events).
+ * NVLink/topology, telemetry and clocks, ECC, field values, events).
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -113,6 +138,7 @@ enum {
     NVML_TOPOLOGY_SYSTEM = 50,
 };
 #define NVML_DEVICE_ARCH_AMPERE 7u
+#define NVML_DEVICE_ARCH_HOPPER 9u
 #define NVML_DEVICE_ARCH_UNKNOWN 0xffffffffu
 #define NVML_NVLINK_MAX_LINKS 36 /* nvml.h of CUDA 12.8+; older headers say 18 */
 enum { NVML_AFFINITY_SCOPE_NODE = 0, NVML_AFFINITY_SCOPE_SOCKET = 1 };
@@ -120,6 +146,9 @@ typedef unsigned int nvmlAffinityScope_t;
 #define NVML_MEMORY_V2 0x02000028u /* sizeof(nvmlMemory_v2_t) | 2 << 24 */
 #define PCI_VENDOR_NVIDIA 0x10deu
 #define NVML_VALUE_NOT_AVAILABLE 0xffffffffu
+#define NVML_CLOCKS_EVENT_REASON_GPU_IDLE 0x1ull
+#define PCIE_GEN_HIGHEST 6u
+#define PCIE_WIDTH_HIGHEST 32u
 
 enum { NVML_MEMORY_ERROR_TYPE_CORRECTED = 0, NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1 };
 enum { NVML_VOLATILE_ECC = 0, NVML_AGGREGATE_ECC = 1 };
@@ -258,6 +287,12 @@ struct nvmlDevice_st {
     unsigned int utilization_gpu;
     unsigned int utilization_memory;
     unsigned long long memory_used_mib; /* in use by applications, beyond the driver's share */
+    unsigned long long clock_reasons;   /* nvmlClocksEventReason* bits */
+    unsigned int pcie_gen_max, pcie_width_max; /* from the data file; never change */
+    unsigned int pcie_gen, pcie_width;         /* what the link trained at */
+    unsigned int rows_pending;  /* rows of remap lines waiting for a reset */
+    unsigned long long rows_remapped; /* rows of remap lines a reset applied */
+    unsigned int rows_failed;
 };
 
 typedef struct nvmlDevice_st *nvmlDevice_t;
@@ -542,11 +577,16 @@ static int parse_system(struct parser *p, const struct record *r)
     return 1;
 }
 
-/* What a reset clears: volatile counters, pending remaps (they are applied), the action. */
+/* What a reset clears: volatile counters, pending remaps (they are applied), a downgraded PCIe
+ * link (it trains again), the action. */
 static void after_reset(struct nvmlDevice_st *gpu)
 {
     set_ull(&gpu->ecc_corrected_volatile, 0);
     set_ull(&gpu->ecc_uncorrected_volatile, 0);
+    set_ull(&gpu->rows_remapped, get_ull(&gpu->rows_remapped) + get_uint(&gpu->rows_pending));
+    set_uint(&gpu->rows_pending, 0);
+    set_uint(&gpu->pcie_gen, gpu->pcie_gen_max);
+    set_uint(&gpu->pcie_width, gpu->pcie_width_max);
     set_uint(&gpu->recovery_action, NVML_GPU_RECOVERY_ACTION_NONE);
 }
 
@@ -556,6 +596,10 @@ static void reset_dynamic(struct nvmlDevice_st *gpu)
     set_int(&gpu->lost, gpu->base_lost);
     set_ull(&gpu->ecc_corrected, 0);
     set_ull(&gpu->ecc_uncorrected, 0);
+    set_uint(&gpu->rows_pending, 0);
+    set_ull(&gpu->rows_remapped, 0);
+    set_uint(&gpu->rows_failed, 0);
+    set_ull(&gpu->clock_reasons, NVML_CLOCKS_EVENT_REASON_GPU_IDLE);
     after_reset(gpu);
     set_uint(&gpu->temperature_c, 33 + gpu->index % 4);
     set_uint(&gpu->power_usage_mw, gpu->power_limit_mw / 10);
@@ -564,12 +608,20 @@ static void reset_dynamic(struct nvmlDevice_st *gpu)
     set_ull(&gpu->memory_used_mib, 0);
 }
 
+/* The PCIe generation of the GPUs of an architecture (Ada, 8, is a generation 4 part too). */
+static unsigned int default_pcie_gen(unsigned int architecture)
+{
+    if (architecture == NVML_DEVICE_ARCH_UNKNOWN || architecture < NVML_DEVICE_ARCH_AMPERE)
+        return 3;
+    return architecture >= NVML_DEVICE_ARCH_HOPPER ? 5 : 4;
+}
+
 static int parse_gpu(struct parser *p, const struct record *r)
 {
     static const char *const keys[] = {
         "index", "uuid", "name", "memory_mib", "bus_id", "minor", "numa_node",
         "compute_capability", "architecture", "brand", "serial", "mig", "power_limit_w",
-        "nvlinks", "cpus", "lost", NULL};
+        "nvlinks", "cpus", "lost", "pcie_gen_max", "pcie_width_max", NULL};
     struct nvmlDevice_st *gpu;
     unsigned int index = 0, power_w = 0, lost = 0;
     long long memory = 0, numa = -1;
@@ -602,6 +654,13 @@ static int parse_gpu(struct parser *p, const struct record *r)
         !get_cpus(p, r, "cpus", &gpu->has_cpus, gpu->cpus) ||
         !get_unsigned(p, r, "lost", 0, 1, &lost))
         return 0;
+    gpu->pcie_gen_max = default_pcie_gen(gpu->architecture);
+    gpu->pcie_width_max = 16;
+    if (!get_unsigned(p, r, "pcie_gen_max", 0, PCIE_GEN_HIGHEST, &gpu->pcie_gen_max) ||
+        !get_unsigned(p, r, "pcie_width_max", 0, PCIE_WIDTH_HIGHEST, &gpu->pcie_width_max))
+        return 0;
+    if (gpu->pcie_gen_max == 0 || gpu->pcie_width_max == 0)
+        return fail(p, "pcie_gen_max and pcie_width_max must be at least 1", "");
     if (sscanf(capability, "%d.%d", &gpu->cc_major, &gpu->cc_minor) != 2)
         return fail(p, "bad compute_capability ", capability);
     if (strcmp(mig, "unsupported") == 0)
@@ -775,6 +834,9 @@ enum fault_kind {
     FAULT_REBOOT,
     FAULT_INIT_FAIL,
     FAULT_TELEMETRY,
+    FAULT_CLOCKS,
+    FAULT_PCIE,
+    FAULT_REMAP,
 };
 
 static const struct {
@@ -784,6 +846,7 @@ static const struct {
     {"xid", FAULT_XID},         {"ecc_dbe", FAULT_ECC_DBE},     {"ecc_sbe", FAULT_ECC_SBE},
     {"lost", FAULT_LOST},       {"recover", FAULT_RECOVER},     {"init_fail", FAULT_INIT_FAIL},
     {"telemetry", FAULT_TELEMETRY}, {"reset", FAULT_RESET},         {"reboot", FAULT_REBOOT},
+    {"clocks", FAULT_CLOCKS},   {"pcie", FAULT_PCIE},           {"remap", FAULT_REMAP},
 };
 
 #define UNSET (-1LL)
@@ -796,6 +859,11 @@ struct fault {
     long long action;
     int on;
     long long temperature_c, power_w, utilization, memory_used_mib;
+    long long count;                 /* ecc_sbe */
+    unsigned long long reasons;      /* clocks */
+    int has_reasons;
+    long long pcie_gen, pcie_width;  /* pcie */
+    long long rows_pending, rows_failed; /* remap */
 };
 
 static char faults_file[PATH_MAX + 16];
@@ -816,6 +884,44 @@ static int fault_number(const char *key, const char *value, unsigned long long h
     }
     *out = (long long)number;
     return 1;
+}
+
+/* A bit mask: decimal, or hexadecimal after 0x. */
+static int fault_mask(const char *key, const char *value, unsigned long long *out, char *error,
+                      size_t size)
+{
+    int hex = value[0] == '0' && (value[1] == 'x' || value[1] == 'X');
+    const char *digits = hex ? value + 2 : value;
+    char *end;
+    errno = 0;
+    unsigned long long number = strtoull(digits, &end, hex ? 16 : 10);
+    if (*digits == '\0' || *digits == '-' || *digits == '+' || *end != '\0' || errno != 0) {
+        snprintf(error, size, "bad bit mask for %s: %s", key, value);
+        return 0;
+    }
+    *out = number;
+    return 1;
+}
+
+/* The fields of clocks, pcie and remap lines, and ecc_sbe's count: -1 for another key. */
+static int wear_field(struct fault *f, const char *key, const char *value, char *error,
+                      size_t size)
+{
+    if (f->kind == FAULT_ECC_SBE && strcmp(key, "count") == 0)
+        return fault_number(key, value, 1000000000, &f->count, error, size);
+    if (f->kind == FAULT_CLOCKS && strcmp(key, "reasons") == 0) {
+        f->has_reasons = 1;
+        return fault_mask(key, value, &f->reasons, error, size);
+    }
+    if (f->kind == FAULT_PCIE && strcmp(key, "gen") == 0)
+        return fault_number(key, value, PCIE_GEN_HIGHEST, &f->pcie_gen, error, size);
+    if (f->kind == FAULT_PCIE && strcmp(key, "width") == 0)
+        return fault_number(key, value, PCIE_WIDTH_HIGHEST, &f->pcie_width, error, size);
+    if (f->kind == FAULT_REMAP && strcmp(key, "pending") == 0)
+        return fault_number(key, value, 1000000, &f->rows_pending, error, size);
+    if (f->kind == FAULT_REMAP && strcmp(key, "failed") == 0)
+        return fault_number(key, value, 1000000, &f->rows_failed, error, size);
+    return -1;
 }
 
 static int fault_field(struct fault *f, char *field, int *has_gpu, int *has_code, char *error,
@@ -850,6 +956,9 @@ static int fault_field(struct fault *f, char *field, int *has_gpu, int *has_code
         return fault_number(key, value, UINT_MAX, &f->mig, error, size);
     if (strcmp(key, "action") == 0 && f->kind == FAULT_XID)
         return fault_number(key, value, NVML_GPU_RECOVERY_ACTION_MAX, &f->action, error, size);
+    int wear = wear_field(f, key, value, error, size);
+    if (wear >= 0)
+        return wear;
     if (f->kind == FAULT_TELEMETRY) {
         if (strcmp(key, "temperature_c") == 0)
             telemetry = &f->temperature_c;
@@ -869,6 +978,30 @@ static int fault_field(struct fault *f, char *field, int *has_gpu, int *has_code
     return 0;
 }
 
+/* What clocks, pcie, remap and ecc_sbe lines need beyond gpu=. */
+static int check_wear(const struct fault *f, const char *verb, char *error, size_t size)
+{
+    const struct nvmlDevice_st *gpu = &gpus[f->gpu];
+    const char *why = NULL;
+    if (f->kind == FAULT_ECC_SBE && f->count < 1)
+        why = "count must be at least 1";
+    else if (f->kind == FAULT_CLOCKS && !f->has_reasons)
+        why = "needs reasons=";
+    else if (f->kind == FAULT_PCIE && f->pcie_gen == UNSET && f->pcie_width == UNSET)
+        why = "needs gen= or width=";
+    else if (f->kind == FAULT_PCIE && f->pcie_gen != UNSET &&
+             (f->pcie_gen < 1 || f->pcie_gen > gpu->pcie_gen_max))
+        why = "gen must be between 1 and the GPU's pcie_gen_max";
+    else if (f->kind == FAULT_PCIE && f->pcie_width != UNSET &&
+             (f->pcie_width < 1 || f->pcie_width > gpu->pcie_width_max))
+        why = "width must be between 1 and the GPU's pcie_width_max";
+    else if (f->kind == FAULT_REMAP && f->rows_pending == UNSET && f->rows_failed == UNSET)
+        why = "needs pending= or failed=";
+    if (why != NULL)
+        snprintf(error, size, "%s on GPU %u: %s", verb, f->gpu, why);
+    return why == NULL;
+}
+
 /* One line, split in place: 1 with `f` filled, 0 for a blank or comment line, -1 when it is
  * malformed (`error` says why). */
 static int parse_fault(char *line, struct fault *f, char *error, size_t size)
@@ -881,7 +1014,8 @@ static int parse_fault(char *line, struct fault *f, char *error, size_t size)
         return 0;
     memset(f, 0, sizeof *f);
     f->mig = f->action = f->temperature_c = f->power_w = f->utilization = f->memory_used_mib =
-        UNSET;
+        f->pcie_gen = f->pcie_width = f->rows_pending = f->rows_failed = UNSET;
+    f->count = 1;
     for (size_t i = 0; i < sizeof fault_verbs / sizeof fault_verbs[0]; i++)
         if (strcmp(verb, fault_verbs[i].verb) == 0) {
             f->kind = fault_verbs[i].kind;
@@ -922,7 +1056,7 @@ static int parse_fault(char *line, struct fault *f, char *error, size_t size)
         snprintf(error, size, "GPU %u has no MIG device %lld", f->gpu, f->mig);
         return -1;
     }
-    return 1;
+    return check_wear(f, verb, error, size) ? 1 : -1;
 }
 
 /* The next complete line from the stream, which stands at `*offset`; the offset moves past it.
@@ -964,8 +1098,9 @@ static void apply_fault(const struct fault *f)
         need_action(gpu, NVML_GPU_RECOVERY_ACTION_GPU_RESET);
         break;
     case FAULT_ECC_SBE:
-        __atomic_add_fetch(&gpu->ecc_corrected, 1, __ATOMIC_RELAXED);
-        __atomic_add_fetch(&gpu->ecc_corrected_volatile, 1, __ATOMIC_RELAXED);
+        __atomic_add_fetch(&gpu->ecc_corrected, (unsigned long long)f->count, __ATOMIC_RELAXED);
+        __atomic_add_fetch(&gpu->ecc_corrected_volatile, (unsigned long long)f->count,
+                           __ATOMIC_RELAXED);
         break;
     case FAULT_LOST:
         set_int(&gpu->lost, 1);
@@ -1000,6 +1135,21 @@ static void apply_fault(const struct fault *f)
         }
         if (f->memory_used_mib != UNSET)
             set_ull(&gpu->memory_used_mib, (unsigned long long)f->memory_used_mib);
+        break;
+    case FAULT_CLOCKS:
+        set_ull(&gpu->clock_reasons, f->reasons);
+        break;
+    case FAULT_PCIE:
+        if (f->pcie_gen != UNSET)
+            set_uint(&gpu->pcie_gen, (unsigned int)f->pcie_gen);
+        if (f->pcie_width != UNSET)
+            set_uint(&gpu->pcie_width, (unsigned int)f->pcie_width);
+        break;
+    case FAULT_REMAP:
+        if (f->rows_pending != UNSET)
+            set_uint(&gpu->rows_pending, (unsigned int)f->rows_pending);
+        if (f->rows_failed != UNSET)
+            set_uint(&gpu->rows_failed, (unsigned int)f->rows_failed);
         break;
     }
 }
@@ -1398,6 +1548,53 @@ nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, nvmlPciInfo_t *pci)
     if (ret == NVML_SUCCESS)
         fill_pci_info(&d->pci, pci);
     return ret;
+}
+
+enum pcie_figure { PCIE_GEN, PCIE_GEN_MAX, PCIE_WIDTH, PCIE_WIDTH_MAX };
+
+/* One figure of a whole GPU's PCIe link (MIG devices do not answer, as in NVML). */
+static nvmlReturn_t pcie_link(nvmlDevice_t device, enum pcie_figure figure, unsigned int *out)
+{
+    struct nvmlDevice_st *d;
+    nvmlReturn_t ret = lookup_gpu(device, &d);
+    if (ret == NVML_SUCCESS && out == NULL)
+        ret = NVML_ERROR_INVALID_ARGUMENT;
+    if (ret != NVML_SUCCESS)
+        return ret;
+    switch (figure) {
+    case PCIE_GEN: *out = get_uint(&d->pcie_gen); break;
+    case PCIE_GEN_MAX: *out = d->pcie_gen_max; break;
+    case PCIE_WIDTH: *out = get_uint(&d->pcie_width); break;
+    case PCIE_WIDTH_MAX: *out = d->pcie_width_max; break;
+    }
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetCurrPcieLinkGeneration(nvmlDevice_t device, unsigned int *gen)
+{
+    return pcie_link(device, PCIE_GEN, gen);
+}
+
+/* The fastest the link can train at with this GPU in this slot. */
+nvmlReturn_t nvmlDeviceGetMaxPcieLinkGeneration(nvmlDevice_t device, unsigned int *gen)
+{
+    return pcie_link(device, PCIE_GEN_MAX, gen);
+}
+
+/* The GPU's own maximum: the same, as no simulated slot holds a GPU back. */
+nvmlReturn_t nvmlDeviceGetGpuMaxPcieLinkGeneration(nvmlDevice_t device, unsigned int *gen)
+{
+    return pcie_link(device, PCIE_GEN_MAX, gen);
+}
+
+nvmlReturn_t nvmlDeviceGetCurrPcieLinkWidth(nvmlDevice_t device, unsigned int *width)
+{
+    return pcie_link(device, PCIE_WIDTH, width);
+}
+
+nvmlReturn_t nvmlDeviceGetMaxPcieLinkWidth(nvmlDevice_t device, unsigned int *width)
+{
+    return pcie_link(device, PCIE_WIDTH_MAX, width);
 }
 
 /* ---- MIG --------------------------------------------------------------------------------- */
@@ -1974,6 +2171,30 @@ nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtilization_
     return ret;
 }
 
+static nvmlReturn_t clocks_event_reasons(nvmlDevice_t device, unsigned long long *reasons)
+{
+    struct nvmlDevice_st *d;
+    nvmlReturn_t ret = lookup_gpu(device, &d);
+    if (ret == NVML_SUCCESS && reasons == NULL)
+        ret = NVML_ERROR_INVALID_ARGUMENT;
+    if (ret == NVML_SUCCESS)
+        *reasons = get_ull(&d->clock_reasons);
+    return ret;
+}
+
+nvmlReturn_t nvmlDeviceGetCurrentClocksEventReasons(nvmlDevice_t device,
+                                                    unsigned long long *reasons)
+{
+    return clocks_event_reasons(device, reasons);
+}
+
+/* The name before NVML 12.2; the same answer. */
+nvmlReturn_t nvmlDeviceGetCurrentClocksThrottleReasons(nvmlDevice_t device,
+                                                       unsigned long long *reasons)
+{
+    return clocks_event_reasons(device, reasons);
+}
+
 /* ---- ECC --------------------------------------------------------------------------------- */
 
 /* Ampere and later GPUs remap rows instead of retiring pages. */
@@ -2043,7 +2264,8 @@ nvmlReturn_t nvmlDeviceGetRetiredPages(nvmlDevice_t device, unsigned int cause,
     return NVML_SUCCESS;
 }
 
-/* One remapped row per double-bit error on Ampere and later, pending until the GPU is reset. */
+/* One remapped row per double-bit error on Ampere and later, pending until the GPU is reset, and
+ * the rows of remap lines. isPending and failureOccurred are flags, as in NVML. */
 nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t device, unsigned int *corrected,
                                        unsigned int *uncorrected, unsigned int *pending,
                                        unsigned int *failed)
@@ -2056,11 +2278,12 @@ nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t device, unsigned int *correc
     if (ret == NVML_SUCCESS && !remaps_rows(d))
         ret = NVML_ERROR_NOT_SUPPORTED;
     if (ret == NVML_SUCCESS) {
-        unsigned long long dbe = get_ull(&d->ecc_uncorrected);
+        unsigned long long rows = get_ull(&d->ecc_uncorrected) + get_ull(&d->rows_remapped) +
+                                  get_uint(&d->rows_pending);
         *corrected = 0;
-        *uncorrected = dbe > UINT_MAX ? UINT_MAX : (unsigned int)dbe;
-        *pending = get_ull(&d->ecc_uncorrected_volatile) > 0;
-        *failed = 0;
+        *uncorrected = rows > UINT_MAX ? UINT_MAX : (unsigned int)rows;
+        *pending = get_ull(&d->ecc_uncorrected_volatile) > 0 || get_uint(&d->rows_pending) > 0;
+        *failed = get_uint(&d->rows_failed) > 0;
     }
     return ret;
 }

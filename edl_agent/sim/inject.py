@@ -24,6 +24,11 @@ from edl_agent.sim.files import BOOT_ID, write_file
 _RECOVERY_ACTIONS = {ClearsBy.RESET: 1, ClearsBy.REBOOT: 2}
 
 MAX_XID = 2**32 - 1
+# The fake library's bounds (fake_nvml.c).
+MAX_ECC_COUNT = 10**9
+MAX_PCIE_GENERATION = 6
+MAX_PCIE_WIDTH = 32
+MAX_ROWS = 10**6
 
 # Files that only a tree with that vendor's devices has.
 _VENDOR_MARKERS = {
@@ -108,10 +113,63 @@ def inject_ecc_dbe(root: Path, gpu_index: int) -> None:
     _append(root, f"ecc_dbe gpu={gpu_index}")
 
 
-def inject_ecc_sbe(root: Path, gpu_index: int) -> None:
-    """A single-bit (corrected) ECC error: an event, and the corrected counters go up."""
+def inject_ecc_sbe(root: Path, gpu_index: int, *, count: int = 1) -> None:
+    """`count` single-bit (corrected) ECC errors: the corrected counters go up by `count`, with
+    one event for them all."""
     _gpu(root, gpu_index)
-    _append(root, f"ecc_sbe gpu={gpu_index}")
+    if not 1 <= count <= MAX_ECC_COUNT:
+        msg = f"ECC error count must be between 1 and {MAX_ECC_COUNT}, got {count}"
+        raise ValueError(msg)
+    _append(root, f"ecc_sbe gpu={gpu_index}" + (f" count={count}" if count != 1 else ""))
+
+
+def set_clock_event_reasons(root: Path, gpu_index: int, reasons: int) -> None:
+    """What nvmlDeviceGetCurrentClocksEventReasons answers from now on: a mask of
+    nvmlClocksEventReason* bits (0x8 HW slowdown, 0x40 HW thermal, ...; 0 for none). A reset
+    leaves it; until set, a GPU reports 0x1 (idle)."""
+    _gpu(root, gpu_index)
+    if not 0 <= reasons < 2**64:
+        msg = f"clocks-event reasons are a 64-bit mask, got {reasons}"
+        raise ValueError(msg)
+    _append(root, f"clocks gpu={gpu_index} reasons={reasons:#x}")
+
+
+def set_pcie_link(
+    root: Path, gpu_index: int, *, generation: int | None = None, width: int | None = None
+) -> None:
+    """The GPU's PCIe link trains at `generation` and/or `width` lanes (a downgrade: the fake
+    library skips a line above the GPU's maximum); a reset or reboot trains it at its maximum."""
+    _gpu(root, gpu_index)
+    given = {"gen": generation, "width": width}
+    fields = [f"{key}={value}" for key, value in given.items() if value is not None]
+    if not fields:
+        msg = "give a PCIe generation, a link width or both"
+        raise ValueError(msg)
+    if generation is not None and not 1 <= generation <= MAX_PCIE_GENERATION:
+        msg = f"PCIe generation must be between 1 and {MAX_PCIE_GENERATION}, got {generation}"
+        raise ValueError(msg)
+    if width is not None and not 1 <= width <= MAX_PCIE_WIDTH:
+        msg = f"PCIe link width must be between 1 and {MAX_PCIE_WIDTH} lanes, got {width}"
+        raise ValueError(msg)
+    _append(root, " ".join([f"pcie gpu={gpu_index}", *fields]))
+
+
+def set_remapped_rows(
+    root: Path, gpu_index: int, *, pending: int | None = None, failed: int | None = None
+) -> None:
+    """Rows of the GPU's memory waiting to be remapped (a reset applies them) and rows whose
+    remapping failed (kept across resets and reboots); each given count replaces the last. NVML
+    reports both as flags (nvmlDeviceGetRemappedRows' isPending, failureOccurred)."""
+    _gpu(root, gpu_index)
+    given = {"pending": pending, "failed": failed}
+    fields = [f"{key}={value}" for key, value in given.items() if value is not None]
+    if not fields:
+        msg = "give rows pending, rows failed or both"
+        raise ValueError(msg)
+    if any(not 0 <= value <= MAX_ROWS for value in given.values() if value is not None):
+        msg = f"row counts must be between 0 and {MAX_ROWS}"
+        raise ValueError(msg)
+    _append(root, " ".join([f"remap gpu={gpu_index}", *fields]))
 
 
 def inject_lost(root: Path, gpu_index: int) -> None:

@@ -11,6 +11,7 @@ from edl_agent.devices.model import Vendor
 from edl_agent.errors import UsageError
 
 HEX_CODE = re.compile(r"^(0[xX])?[0-9a-fA-F]{8}$")
+PCIE_LINK = re.compile(r"^(?P<gen>[0-9]+)?(?:x(?P<width>[0-9]+))?$")
 
 DESCRIPTION = """\
 Inject a fault into the simulated node under DIR (built by `simulate build`, or the temporary
@@ -24,6 +25,11 @@ HEALTH_HELP = (
     "NPU: a Health word (OK, Warning, Alarm, Critical) or a fault code such as 0x80E01801; "
     "XPU/DCU: a state (Normal, Warning, Fault, Lost)"
 )
+
+
+def bit_mask(text: str) -> int:
+    """A mask in decimal or 0x hex (argparse names the function in its error)."""
+    return int(text, 0)
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -47,6 +53,27 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     fault = parser.add_mutually_exclusive_group(required=True)
     fault.add_argument("--xid", type=int, metavar="CODE", help="an NVIDIA XID event, e.g. 79")
     fault.add_argument("--ecc-dbe", action="store_true", help="an NVIDIA double-bit ECC error")
+    fault.add_argument(
+        "--ecc-sbe",
+        nargs="?",
+        const=1,
+        type=int,
+        metavar="COUNT",
+        help="COUNT (default 1) NVIDIA single-bit ECC errors, reported as one event",
+    )
+    fault.add_argument(
+        "--clocks",
+        type=bit_mask,
+        metavar="REASONS",
+        help="the GPU's clocks-event reasons from now on, a mask such as 0x48 (0: none)",
+    )
+    fault.add_argument(
+        "--pcie",
+        metavar="GENxWIDTH",
+        help="the GPU's PCIe link trains lower: 4x16, 4 (generation only) or x8 (width only)",
+    )
+    fault.add_argument("--rows-pending", type=int, metavar="N", help="N rows wait for remapping")
+    fault.add_argument("--rows-failed", type=int, metavar="N", help="N rows failed remapping")
     fault.add_argument("--lost", action="store_true", help="the GPU falls off the bus")
     fault.add_argument("--recover", action="store_true", help="a lost GPU answers again")
     fault.add_argument(
@@ -91,7 +118,10 @@ def _inject(args: argparse.Namespace) -> int:
         msg = "--device N is required (every fault but --reboot names a device)"
         raise ValueError(msg)
     index = _device_index(root, args.device)
-    if args.reset:
+    wear = _wear(root, index, args)
+    if wear is not None:
+        done = wear
+    elif args.reset:
         vendor = Vendor(args.vendor) if args.vendor else _only_vendor(root)
         done = inject.reset_device(root, vendor, index)
     elif args.xid is not None:
@@ -119,6 +149,35 @@ def _inject(args: argparse.Namespace) -> int:
         done = f"{vendor.value} device {index} reports {args.health}"
     print(f"injected: {done} under {root}")
     return 0
+
+
+def _wear(root: Path, index: int, args: argparse.Namespace) -> str | None:
+    """A reading that warns before GPU `index` fails, set; None when `args` ask for none."""
+    from edl_agent.sim import inject
+
+    if args.ecc_sbe is not None:
+        inject.inject_ecc_sbe(root, index, count=args.ecc_sbe)
+        return f"{args.ecc_sbe} single-bit ECC error(s) on GPU {index}"
+    if args.clocks is not None:
+        inject.set_clock_event_reasons(root, index, args.clocks)
+        return f"clocks-event reasons {args.clocks:#x} on GPU {index}"
+    if args.pcie is not None:
+        generation, width = _pcie_link(args.pcie)
+        inject.set_pcie_link(root, index, generation=generation, width=width)
+        return f"PCIe link {args.pcie} on GPU {index}"
+    if args.rows_pending is not None or args.rows_failed is not None:
+        inject.set_remapped_rows(root, index, pending=args.rows_pending, failed=args.rows_failed)
+        return f"remapped rows on GPU {index}"
+    return None
+
+
+def _pcie_link(text: str) -> tuple[int | None, int | None]:
+    found = PCIE_LINK.match(text)
+    if found is None or not text:
+        msg = f"--pcie: {text!r} is not GENxWIDTH (4x16), GEN (4) or xWIDTH (x8)"
+        raise ValueError(msg)
+    gen, width = found.group("gen"), found.group("width")
+    return (int(gen) if gen else None, int(width) if width else None)
 
 
 def _device_index(root: Path, device: str) -> int:

@@ -19,6 +19,7 @@ from edl_agent.devices.nvidia_topology import CPU_SET_WORDS, NODE_SET_WORDS, mas
 from edl_agent.devices.topology import format_cpulist
 from edl_agent.health.nvml_reset import RECOVERY_ACTION_FIELD
 from edl_agent.health.nvml_watch import WANTED_EVENTS
+from edl_agent.sim.inject import MAX_PCIE_GENERATION, MAX_PCIE_WIDTH
 from edl_agent.sim.nvidia_tree import data_record as _record
 
 MIB = 1 << 20
@@ -102,6 +103,14 @@ def _gpu(index: int) -> dict[str, Any]:
             for name, (kind, counter) in ECC_COUNTERS.items()
         },
         "remapped_rows": ask(pynvml.nvmlDeviceGetRemappedRows, handle),
+        "clock_event_reasons": _clock_event_reasons(handle),
+        "pcie_link": {
+            "generation": ask(pynvml.nvmlDeviceGetCurrPcieLinkGeneration, handle),
+            "generation_max": ask(pynvml.nvmlDeviceGetMaxPcieLinkGeneration, handle),
+            "gpu_generation_max": ask(pynvml.nvmlDeviceGetGpuMaxPcieLinkGeneration, handle),
+            "width": ask(pynvml.nvmlDeviceGetCurrPcieLinkWidth, handle),
+            "width_max": ask(pynvml.nvmlDeviceGetMaxPcieLinkWidth, handle),
+        },
         "recovery_action": _recovery_action(handle),
         "supported_event_types": ask(pynvml.nvmlDeviceGetSupportedEventTypes, handle),
         "cpu_affinity": _bits(ask(pynvml.nvmlDeviceGetCpuAffinity, handle, CPU_SET_WORDS)),
@@ -126,6 +135,13 @@ def _gpu(index: int) -> dict[str, Any]:
 
 def _bits(answer: Any) -> Any:
     return answer if failed(answer) else sorted(mask_bits(answer))
+
+
+def _clock_event_reasons(handle: Any) -> Any:
+    reasons = ask(pynvml.nvmlDeviceGetCurrentClocksEventReasons, handle)
+    if failed(reasons):  # a driver before R535 knows the older name only
+        reasons = ask(pynvml.nvmlDeviceGetCurrentClocksThrottleReasons, handle)
+    return reasons
 
 
 def _recovery_action(handle: Any) -> Any:
@@ -255,6 +271,7 @@ def _gpu_records(gpu: dict[str, Any], scrub: Scrub, numa_of: Callable[[str], Any
         fields["nvlinks"] = len(links["states"])
     if not failed(gpu["cpu_affinity"]) and gpu["cpu_affinity"]:
         fields["cpus"] = format_cpulist(gpu["cpu_affinity"])
+    fields.update(_pcie_maxima(gpu.get("pcie_link", {})))  # recordings before it lack it
     records = [_record("gpu", **fields)]
     for mig in gpu.get("migs", []):
         records.append(
@@ -272,6 +289,22 @@ def _gpu_records(gpu: dict[str, Any], scrub: Scrub, numa_of: Callable[[str], Any
     for link, remote in sorted(links["remotes"].items(), key=lambda item: int(item[0])):
         records.append(_record("nvlink", gpu=index, link=link, remote=remote))
     return records
+
+
+def _pcie_maxima(link: dict[str, Any]) -> dict[str, int]:
+    """The data file's pcie_gen_max / pcie_width_max: the most the recorded GPU's link could
+    reach in its slot (the replayed link trains at it until a pcie fault line)."""
+    generation = link.get("generation_max")
+    if not isinstance(generation, int):
+        generation = link.get("gpu_generation_max")
+    found = {}
+    for key, value, highest in (
+        ("pcie_gen_max", generation, MAX_PCIE_GENERATION),
+        ("pcie_width_max", link.get("width_max"), MAX_PCIE_WIDTH),
+    ):
+        if isinstance(value, int) and 1 <= value <= highest:
+            found[key] = value
+    return found
 
 
 def _capability(answer: Any) -> Any:

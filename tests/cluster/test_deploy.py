@@ -647,6 +647,18 @@ def test_the_restarter_account_may_make_every_call_the_restarter_makes(
         spec=client.V1PodSpec(containers=[client.V1Container(name="worker", image="x")]),
     )
     core.create_namespaced_pod(ns, replacement)
+    # A graceful restart: the pod evicted through the Eviction API (its uid a precondition).
+    graceful = k8s.create_pod(node=node, labels={"app": "train"})
+    core.create_namespaced_pod_eviction(
+        graceful.metadata.name,
+        ns,
+        client.V1Eviction(
+            metadata=client.V1ObjectMeta(name=graceful.metadata.name, namespace=ns),
+            delete_options=client.V1DeleteOptions(
+                preconditions=client.V1Preconditions(uid=graceful.metadata.uid)
+            ),
+        ),
+    )
     # The intake: an agent's token, bound to its pod on `node`, reviewed for the audience.
     agent_token = bound_token(node, "edl-agent", audiences=["edl-restarter"])
     review = client.AuthenticationV1Api(restarter).create_token_review(
@@ -800,8 +812,8 @@ RESTARTER_GRANTS = [
     ("get leases.coordination.k8s.io -n edl-system", True),
     ("create leases.coordination.k8s.io -n edl-system", True),
     ("update leases.coordination.k8s.io -n edl-system", True),
+    ("create pods --subresource=eviction -n default", True),  # a Graceful rule's eviction
     ("update pods -n default", False),
-    ("create pods --subresource=eviction -n default", False),
     ("get nodes", False),
     ("patch nodes", False),
     ("delete nodes", False),

@@ -334,7 +334,8 @@ def create_worker(
 
 
 def policy_body(namespace: str) -> dict[str, Any]:
-    """deploy/daemonset/example-policy.yaml's shape, with deviceUnhealthy among the events."""
+    """deploy/daemonset/example-policy.yaml's shape, with deviceUnhealthy among the events and
+    a Graceful rule for degraded devices."""
     return {
         "apiVersion": f"{GROUP}/{VERSION}",
         "kind": "FaultTolerancePolicy",
@@ -351,6 +352,7 @@ def policy_body(namespace: str) -> dict[str, Any]:
                     "restartPolicy": "OnNodeFail",
                     "restartScope": "Pod",
                 },
+                {"exceptionalEvent": "deviceDegraded", "restartPolicy": "Graceful"},
             ],
             "restartPolicy": "OnNodeFailWithExitCode",
             "restartLimit": 100,

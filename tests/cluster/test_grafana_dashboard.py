@@ -1,7 +1,8 @@
 """deploy/grafana on a real API server: every panel's every query of edl-agent.json answers with
 series on a real Prometheus scraping a simulated agent and `edl-agent restarter` (labelled as
-service-monitors.yaml labels them), after an XID, a failing part of the agent, a Restart and a
-refused fault report; and the kustomization makes the ConfigMap Grafana's sidecar loads."""
+service-monitors.yaml labels them), after an XID, a failing part of the agent, a Restart, a
+dry-run Restart and a refused fault report; and the kustomization makes the ConfigMap Grafana's
+sidecar loads."""
 
 from __future__ import annotations
 
@@ -143,15 +144,23 @@ def test_every_panel_query_answers_with_series(
     objects.create_namespaced_custom_object(
         GROUP, VERSION, k8s.namespace, PLURAL, _policy(k8s.namespace)
     )
+    # And one in a dry run, over another job: its decisions are only told.
+    shadow = _policy(k8s.namespace)
+    shadow["metadata"]["name"] = "shadow"
+    shadow["spec"] |= {"selector": {"matchLabels": {"app": "shadow"}}, "mode": "DryRun"}
+    objects.create_namespaced_custom_object(GROUP, VERSION, k8s.namespace, PLURAL, shadow)
     node = k8s.create_gpu_node().metadata.name
     worker = "resnet-worker-0"
     k8s.create_pod(worker, node=node, labels=labels("resnet", "worker", 0))
+    watched = "shadow-worker-0"
+    k8s.create_pod(watched, node=node, labels=labels("shadow", "worker", 0) | {"app": "shadow"})
 
     with (
         running_restarter(k8s, k8s_control_plane, tmp_path) as (intake, metrics),
         SimulatedAgent(tmp_path / "agent") as agent,
     ):
         exit_pod(k8s, worker, 137)
+        exit_pod(k8s, watched, 137)  # a dry-run Restart: told, the pod left as it is
         wait_pod(k8s, f"{worker}-r1", timeout=30)  # a Restart, timed fault → replacement
         with pytest.raises(grpc.RpcError) as refused:  # a report without a token
             report(f"127.0.0.1:{intake}", [fault(1, node)], token=None)

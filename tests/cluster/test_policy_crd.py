@@ -137,6 +137,16 @@ def rule(**fields: Any) -> dict[str, Any]:
             "an OnNodeFail rule matches no exit codes",
         ),
         (
+            rule(restartPolicy="Graceful", containerName="trainer"),
+            "faultTolerantPolicy[0].restartPolicy",
+            "a Graceful rule matches no container exits",
+        ),
+        (
+            rule(restartPolicy="Graceful", exceptionalEvent="deviceDegraded, nodeNotReady"),
+            "faultTolerantPolicy[0].exceptionalEvent",
+            "a Graceful rule evicts a pod that still runs",
+        ),
+        (
             rule(restartPolicy="OnFailure", exceptionalEvent="PodEvicted"),
             "faultTolerantPolicy[0].exceptionalEvent",
             "ExitCode and OnFailure rules match no exceptional events",
@@ -194,9 +204,18 @@ def test_printer_columns(
     )
     table = json.loads(response.data)
     columns = [c["name"] for c in table["columnDefinitions"]]
-    assert columns == ["Name", "Policy", "Limit", "Window", "Restarts", "Last Restart", "Age"]
+    assert columns == [
+        "Name",
+        "Policy",
+        "Mode",
+        "Limit",
+        "Window",
+        "Restarts",
+        "Last Restart",
+        "Age",
+    ]
     (row,) = table["rows"]
-    assert row["cells"][:4] == ["resnet50-pretrain", "OnNodeFailWithExitCode", 100, 864000]
+    assert row["cells"][:5] == ["resnet50-pretrain", "OnNodeFailWithExitCode", None, 100, 864000]
 
 
 def test_the_status_subresource_keeps_what_the_restarter_records(
@@ -268,7 +287,8 @@ def test_the_paddle_elastic_example_passes_a_server_side_dry_run(
     example = DEPLOY.parent / "examples" / "paddle-elastic-job.yaml"
     made = server_dry_run(example, k8s.namespace, kubectl)
     assert [m["kind"] for m in made] == ["FaultTolerancePolicy", "Pod", "Pod", "Pod"]
-    assert len(parse_policy(made[0]["spec"]).rules) == 2
+    rules = parse_policy(made[0]["spec"]).rules
+    assert [rule.restart_policy.value for rule in rules] == ["ExitCode", "OnNodeFail", "Graceful"]
     shipped = [d for d in yaml.safe_load_all(example.read_text()) if d and d["kind"] == "Pod"]
     for pod, written in zip(made[1:], shipped, strict=True):
         [container] = pod["spec"]["containers"]

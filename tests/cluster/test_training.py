@@ -9,6 +9,9 @@ after each, the trainers' own logs must show a formation of three resuming from 
 checkpoint and making steps:
 - XID 95 (a reset-class memory error) on the GPU a worker holds: the agent reports it, the
   restarter replaces the pod, the job re-forms with the replacement;
+- XID 94 (a contained error: the GPU warns, Degraded) on the GPU a worker holds: the policy's
+  Graceful rule evicts the pod, its trainer saves the step it finished on SIGTERM, the job
+  resumes from exactly there (no step lost) with the replacement on another GPU;
 - a launcher exits 101 (a policy code): the pod ends (its restart rules leave 101 to us), the
   restarter replaces it;
 - a launcher exits 1: kubelet restarts it in place (its restart rules), the restarter does not
@@ -77,6 +80,7 @@ TRAIN_PY = REPO / "tests" / "training" / "train.py"
 EXAMPLE = REPO / "deploy" / "examples" / "paddle-elastic-job.yaml"
 WORLD = 3
 XID = 95
+WARNED_XID = 94  # Degraded: the pod leaves gracefully
 MERGE = "application/merge-patch+json"
 STARTUP = 180.0
 RECOVERY = 150.0  # fault → training back at full size; Paddle's own share is ~17 s
@@ -98,7 +102,7 @@ class TrainerLogs:
 
     def reports(self) -> list[Report]:
         for node in self._nodes:
-            for path in node.host_path("/var/log/pods").glob("*/*/*.log"):
+            for path in _logs(node.host_path("/var/log/pods")):
                 try:
                     text = path.read_text(errors="replace")
                 except OSError:
@@ -107,6 +111,17 @@ class TrainerLogs:
                     key = (report.source, report.t, report.rank, report.step, report.event)
                     self._seen.setdefault(key, report)
         return sorted(self._seen.values(), key=lambda r: r.t)
+
+
+def _logs(root: Path) -> list[Path]:
+    """The pods' log files under `root`; a pod's directory removed while it is listed (kubelet
+    cleaning up after a replaced pod) makes the listing start again."""
+    for _ in range(10):
+        try:
+            return list(root.glob("*/*/*.log"))
+        except OSError:
+            continue
+    return []
 
 
 # --- fixtures -----------------------------------------------------------------------------------
@@ -432,15 +447,20 @@ def replaced_scenario(job: Job, name: str, victim: Any, fault: Callable[[], str]
     return Outcome(name, fault_at, seen["running"], seen["resumed"], note)
 
 
-def xid_on(job: Job, pod: Any) -> str:
+def gpu_of(job: Job, pod: Any) -> str:
+    [gpu] = pod_devices(job.nodes[pod.spec.node_name], job.k8s.namespace, pod.metadata.name)[
+        "trainer"
+    ][GPU_RESOURCE]
+    return str(gpu)
+
+
+def xid_on(job: Job, pod: Any, code: int = XID) -> str:
     node = pod.spec.node_name
     agent = job.agents[node]
-    [gpu] = pod_devices(job.nodes[node], job.k8s.namespace, pod.metadata.name)["trainer"][
-        GPU_RESOURCE
-    ]
+    gpu = gpu_of(job, pod)
     index = next(d["index"] for d in agent.devices() if d["id"] == gpu)
-    inject.inject_xid(agent.tree, index, XID)
-    return f"XID {XID} on GPU {index} of {pod.metadata.name} ({node})"
+    inject.inject_xid(agent.tree, index, code)
+    return f"XID {code} on GPU {index} of {pod.metadata.name} ({node})"
 
 
 # --- the tests ----------------------------------------------------------------------------------
@@ -584,6 +604,20 @@ def test_training_keeps_going_through_faults(  # noqa: PLR0917 - fixtures
         # --- XID on the GPU a worker holds
         victim = job.worker(0)
         replaced_scenario(job, f"XID {XID} on a worker's GPU", victim, lambda: xid_on(job, victim))
+
+        # --- a warned fault: the pod leaves gracefully, its trainer saving on SIGTERM
+        victim = job.worker(1)
+        worn = (victim.spec.node_name, gpu_of(job, victim))
+        outcome = replaced_scenario(
+            job,
+            f"XID {WARNED_XID} (the GPU Degraded): a graceful replacement",
+            victim,
+            lambda: xid_on(job, victim, WARNED_XID),
+        )
+        assert outcome.recovered is not None
+        assert outcome.recovered.steps_lost == 0, outcome.lines()
+        successor = job.worker(1)
+        assert (successor.spec.node_name, gpu_of(job, successor)) != worn
 
         # --- a launcher exits 101 (a policy code)
         victim = job.worker(1)

@@ -2,16 +2,25 @@
 fixed linear target on CPU (gloo), rank 0 checkpointing every `--checkpoint-every` steps to a
 shared directory, every trainer resuming from the newest checkpoint when the job re-forms.
 
+On SIGTERM (Kubernetes' notice that the pod is going: an eviction, a graceful restart) a trainer
+of any rank saves the step it finished last (data parallel: every rank holds the same model) and
+exits 0, so the job resumes from exactly there: the few lines a user adds to their own trainer.
+`--ignore-sigterm` leaves that out, as a trainer that does not save would.
+
 It prints one JSON object per line, which the tests read from the pods' logs:
 `{"event": "start", "world": W, "rank": R, "resumed_from": N}` once per (re)formation and
 `{"event": "step", "step": N, "world": W, "rank": R, "loss": L}` every `--report-every` steps,
-each with `"t"` (Unix time). It exits 0 after `--steps` steps."""
+`{"event": "saved", "step": N, ...}` when it saved on SIGTERM, each with `"t"` (Unix time). It
+exits 0 after `--steps` steps."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -33,13 +42,19 @@ def newest(directory: Path) -> tuple[int, Path | None]:
 def save(
     directory: Path, step: int, model: paddle.nn.Layer, opt: paddle.optimizer.Optimizer
 ) -> None:
-    if (directory / f"step-{step}").exists():
+    final = directory / f"step-{step}"
+    if final.exists():
         return  # saved before a re-formation resumed from an older one
-    partial = directory / f".partial-{step}"
+    # A trainer leaving on SIGTERM may save the same step as rank 0: each writes its own copy.
+    partial = directory / f".partial-{step}-{os.getpid()}"
     partial.mkdir(parents=True, exist_ok=True)
     paddle.save(model.state_dict(), str(partial / "model.pdparams"))
     paddle.save(opt.state_dict(), str(partial / "opt.pdopt"))
-    partial.rename(directory / f"step-{step}")
+    try:
+        partial.rename(final)
+    except OSError:
+        if not final.exists():
+            raise  # not the other copy's arrival: a real failure
 
 
 def main() -> int:
@@ -49,7 +64,11 @@ def main() -> int:
     parser.add_argument("--checkpoint-every", type=int, default=50)
     parser.add_argument("--report-every", type=int, default=10)
     parser.add_argument("--step-seconds", type=float, default=0.02, help="pause per step")
+    parser.add_argument("--ignore-sigterm", action="store_true", help="do not save on SIGTERM")
     args = parser.parse_args()
+    leaving = threading.Event()
+    if not args.ignore_sigterm:
+        signal.signal(signal.SIGTERM, lambda _signum, _frame: leaving.set())
 
     dist.init_parallel_env()
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -75,8 +94,12 @@ def main() -> int:
         step += 1
         if step % args.report_every == 0:
             say(event="step", step=step, world=world, rank=rank, loss=round(float(loss), 5))
+        inner = model._layers if isinstance(model, paddle.DataParallel) else model
+        if leaving.is_set():
+            save(args.checkpoints, step, inner, opt)
+            say(event="saved", step=step, world=world, rank=rank)
+            return 0
         if rank == 0 and step % args.checkpoint_every == 0:
-            inner = model._layers if isinstance(model, paddle.DataParallel) else model
             save(args.checkpoints, step, inner, opt)
         time.sleep(args.step_seconds)
     return 0

@@ -11,6 +11,12 @@ spec without the node binding, the restart count in annotation `edl.io/restart-c
 affinity away from the failed node. The name depends only on the count, so a retried
 replacement finds its pod already there (AlreadyExists) instead of making a second. A pod a
 controller owns (a Job, a StatefulSet) is only deleted: its controller makes the replacement.
+
+A graceful restart (a Graceful rule) evicts the pod through the Eviction API instead of deleting
+it: its own termination grace applies, PodDisruptionBudgets hold (a refusal, 429, is
+`EvictionRefused` and nothing else is done), and the API server sets DisruptionTarget itself. A
+bare pod's replacement is created only once its eviction was accepted, so a refused eviction
+leaves no second copy running.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from edl_agent.faults.pod_faults import DISRUPTION_REASON, controller_owned
 from edl_agent.kube import CONFLICT, NOT_FOUND, ApiError
 from edl_agent.kube import call_json as _call
 from edl_agent.kube_time import format_time
-from edl_agent.restarter.core.port import Conflict, Replacement
+from edl_agent.restarter.core.port import Conflict, EvictionRefused, Replacement
 from edl_agent.restarter.core.replacement import (
     BASE_NAME_ANNOTATION,
     NODE_FAULTS,
@@ -56,6 +62,7 @@ log = structlog.get_logger(__name__)
 
 GROUP, VERSION, PLURAL = "edl.io", "v1alpha1", "faulttolerancepolicies"
 ALREADY_EXISTS = 409
+TOO_MANY_REQUESTS = 429  # the Eviction API's answer when a disruption budget allows none
 
 
 class Actuator:
@@ -135,14 +142,21 @@ class Actuator:
         failed_node: str,
         force: bool,
         why: str = "",
+        graceful: bool = False,
     ) -> Replacement:
         """Create the replacement of `pod` (unless a controller owns it), then delete `pod`.
 
         Creating first means that whenever this stops half way, `pod` is still there to be
-        replaced again, and doing so finds the replacement made already."""
+        replaced again, and doing so finds the replacement made already. `graceful`: evict
+        `pod` first (see the module)."""
         meta = pod["metadata"]
         namespace, name = meta["namespace"], meta["name"]
-        if controller_owned(pod):
+        if graceful:
+            self.evict(pod)
+            if controller_owned(pod):
+                log.info("evicted a controller-owned pod", pod=f"{namespace}/{name}")
+                return Replacement(name, None, False)
+        elif controller_owned(pod):
             # An exit is the pod's own failure, not a disruption: the pod ended already.
             exited = fault_kind is FaultKind.CONTAINER_EXIT
             self.delete(pod, force=force, disruption=None if exited else why or str(fault_kind))
@@ -160,7 +174,8 @@ class Actuator:
             log.info("replacement exists already", pod=f"{namespace}/{new_name}")
         # No deletion mark: the replacement names this pod's uid, which tells any restarter
         # that its end is ours (one write fewer per restart).
-        self.delete(pod, force=force)
+        if not graceful:
+            self.delete(pod, force=force)
         log.info(
             "pod replaced", old=f"{namespace}/{name}", new=f"{namespace}/{new_name}", force=force
         )
@@ -194,6 +209,28 @@ class Actuator:
             # Gone, or another pod by that name: the delete's uid precondition answers 409, the
             # status patch's uid (immutable) 422.
             if exc.status not in (NOT_FOUND, CONFLICT, UNPROCESSABLE):
+                raise
+            log.info("pod already gone or replaced; left alone", pod=f"{namespace}/{name}", uid=uid)
+
+    def evict(self, pod: Mapping[str, Any]) -> None:
+        """Evict `pod` if it is still the pod of that uid, with its own grace period;
+        `EvictionRefused` when a disruption budget allows none now."""
+        meta = pod["metadata"]
+        namespace, name, uid = meta["namespace"], meta["name"], meta.get("uid", "")
+        self._before_delete(uid)
+        body = client.V1Eviction(
+            metadata=client.V1ObjectMeta(name=name, namespace=namespace),
+            delete_options=client.V1DeleteOptions(
+                preconditions=client.V1Preconditions(uid=uid) if uid else None
+            ),
+        )
+        self._on_write("evict")
+        try:
+            _call(self._core.create_namespaced_pod_eviction, name, namespace, body)
+        except ApiError as exc:
+            if exc.status == TOO_MANY_REQUESTS:
+                raise EvictionRefused(str(exc)) from None
+            if exc.status not in (NOT_FOUND, CONFLICT):
                 raise
             log.info("pod already gone or replaced; left alone", pod=f"{namespace}/{name}", uid=uid)
 

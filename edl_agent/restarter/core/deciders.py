@@ -37,6 +37,8 @@ log = structlog.get_logger(__name__)
 
 
 OWNERS_TOLD = 10_000
+# What a dry run tells as an Event: what would have changed the cluster or the job's record.
+_ACTING = frozenset({Action.RESTART, Action.BACKOFF, Action.LIMIT_EXCEEDED})
 # A status write the API server refuses for what it holds (bad request, too large, invalid),
 # not for when it came: the same write will be refused again.
 REFUSED_WRITE = frozenset({400, 413, 422})
@@ -167,6 +169,12 @@ class Deciders:
             for task in tasks:
                 self._progress.task_done(task, ok=False, error=error)
             return
+        if result.dry_run:
+            for task, decision in result.decisions:
+                self._told(decision, task, name, policy=obj)
+            for task in tasks:
+                self._progress.task_done(task, ok=True)
+            return
         for task, decision in result.decisions:
             self._decided(decision, task, name, policy=obj)
         for task in tasks:
@@ -248,6 +256,26 @@ class Deciders:
                 continue
             found.append(other)
         return sorted(found, key=lambda p: pod_ref(p).name)
+
+    def _told(self, decision: Decision, task: Task, name: str, policy: Mapping[str, Any]) -> None:
+        """A dry run's decision: logged, counted and, when it would have acted, announced."""
+        action, fault, ref = decision.action, decision.fault, task.ref
+        log.info(
+            "dry-run decision",
+            action=str(action),
+            reason=decision.reason,
+            fault_id=fault.id,
+            pod=f"{ref.namespace}/{ref.name}",
+            policy=name,
+        )
+        self._metrics.dry_run_decisions.labels(str(action), str(fault.kind)).inc()
+        if action in _ACTING:
+            self._progress.announce(
+                "Normal",
+                "DryRun",
+                f"would {action} ({ref.namespace}/{ref.name}, fault {fault.id}): {decision.reason}",
+                reference(policy),
+            )
 
     def _decided(
         self, decision: Decision, task: Task, name: str, policy: Mapping[str, Any]

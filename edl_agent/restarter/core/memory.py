@@ -22,7 +22,7 @@ from typing import Any
 from edl_agent.faults.model import FaultKind, PodRef
 from edl_agent.kube_errors import ApiError
 from edl_agent.kube_time import format_time
-from edl_agent.restarter.core.port import Conflict, Replacement
+from edl_agent.restarter.core.port import Conflict, EvictionRefused, Replacement
 from edl_agent.restarter.core.replacement import (
     NODE_FAULTS,
     REPLACES_UID_ANNOTATION,
@@ -49,6 +49,7 @@ class InMemoryCluster:
         self.out_of_service: set[str] = set()
         self.calls: Counter[str] = Counter()
         self.failing: set[str] = set()
+        self.refuse_evictions = False  # a PodDisruptionBudget that allows no disruption now
         """Call names (`write_status`, `create_pod`, `delete_pod`, `read_policy`, `read_pod`)
         that fail with HTTP 503 while listed."""
         self.max_request_bytes = MAX_REQUEST_BYTES
@@ -126,7 +127,7 @@ class InMemoryCluster:
 
     def writes(self) -> int:
         """Calls that changed something."""
-        return sum(self.calls[c] for c in ("write_status", "create_pod", "delete_pod"))
+        return sum(self.calls[c] for c in ("write_status", "create_pod", "delete_pod", "evict_pod"))
 
     # --- ClusterPort ---------------------------------------------------------------------
 
@@ -169,21 +170,31 @@ class InMemoryCluster:
         failed_node: str,
         force: bool,
         why: str = "",
+        graceful: bool = False,
     ) -> Replacement:
         meta = pod["metadata"]
         avoid = failed_node if fault_kind in NODE_FAULTS and failed_node else None
         body = replacement_pod(pod, avoid_node=avoid)
         body["metadata"]["namespace"] = meta["namespace"]
         with self._lock:
+            if graceful:
+                self._call("evict_pod")
+                if self.refuse_evictions:
+                    raise EvictionRefused(f"{meta['name']}: the disruption budget allows none")
+                self._end(meta)
             self._call("create_pod")
             if self._by_name(_ns(body), body["metadata"]["name"]) is None:
                 self._create(body)
-            self._call("delete_pod")
-            current = self._by_name(meta["namespace"], meta["name"])
-            if current is not None and current["metadata"]["uid"] == meta.get("uid"):
-                del self.pods[current["metadata"]["uid"]]
-                self.gone[current["metadata"]["uid"]] = current
+            if not graceful:
+                self._call("delete_pod")
+                self._end(meta)
         return Replacement(meta["name"], body["metadata"]["name"], force)
+
+    def _end(self, meta: Mapping[str, Any]) -> None:
+        current = self._by_name(meta["namespace"], meta["name"])
+        if current is not None and current["metadata"]["uid"] == meta.get("uid"):
+            del self.pods[current["metadata"]["uid"]]
+            self.gone[current["metadata"]["uid"]] = current
 
     # --- PodView -------------------------------------------------------------------------
 

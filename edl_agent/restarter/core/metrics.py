@@ -1,10 +1,13 @@
 """The restarter's Prometheus metrics, in a registry of its own (served by `MetricsServer`).
 
 edl_restarter_decisions_total{action,reason}      decisions; reason = the fault's kind
+edl_restarter_dry_run_decisions_total{action,reason}  the same for policies in mode DryRun
 edl_restarter_fault_to_replacement_seconds{fault} fault observed → replacement created
 edl_restarter_replacement_errors_total            replacements the API refused
 edl_restarter_node_waits_total                    pods whose replacement waits for their node
-edl_restarter_api_writes_total{what}              writes made: status, create, disruption, delete
+edl_restarter_evictions_refused_total             graceful evictions a disruption budget refused
+edl_restarter_api_writes_total{what}              writes made: status, create, disruption,
+                                                  delete, evict
 edl_restarter_intake_faults_total{outcome}        reported faults: accepted, duplicate, deferred
 edl_restarter_intake_refusals_total{reason}       reports refused (token, account, node),
                                                   connections refused (too many)
@@ -69,6 +72,13 @@ class RestarterMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.dry_run_decisions = Counter(
+            "edl_restarter_dry_run_decisions",
+            "Decisions about faults under policies in mode DryRun (told, never carried out), by "
+            "action and the fault's kind.",
+            ["action", "reason"],
+            registry=r,
+        )
         self.replacement_errors = Counter(
             "edl_restarter_replacement_errors",
             "Pod replacements the API refused or that failed (retried on restart).",
@@ -80,10 +90,16 @@ class RestarterMetrics:
             "(a StatefulSet's pods, a policy's fence: Wait); each pod counted once.",
             registry=r,
         )
+        self.evictions_refused = Counter(
+            "edl_restarter_evictions_refused",
+            "Evictions of a graceful restart that the Eviction API refused (a "
+            "PodDisruptionBudget allowed no disruption then); each is tried again later.",
+            registry=r,
+        )
         self.api_writes = Counter(
             "edl_restarter_api_writes",
             "Writes the restarter made to the API: a policy's status, a replacement created, "
-            "a controller-owned pod marked DisruptionTarget, a pod deleted.",
+            "a controller-owned pod marked DisruptionTarget, a pod deleted, a pod evicted.",
             ["what"],
             registry=r,
         )

@@ -20,7 +20,7 @@ from edl_agent.faults.in_place import restarts_in_place
 from edl_agent.faults.model import Fault, FaultKind, PodRef
 from edl_agent.faults.pod_faults import exit_counting_owner, pod_created, pod_ref
 from edl_agent.restarter.core.decide import Action, Decision, decide, describe
-from edl_agent.restarter.core.policy import Policy, RestartScope
+from edl_agent.restarter.core.policy import Mode, Policy, RestartScope
 from edl_agent.restarter.core.spec import parse_policy
 from edl_agent.restarter.core.status import (
     PendingRestart,
@@ -62,6 +62,8 @@ class Plan:
     """Pending restarts of earlier runs dropped as done."""
     dropped: list[str] = field(default_factory=list)
     """What `status.fit` left out of the status to keep it within its budget."""
+    dry_run: bool = False
+    """The policy's mode is DryRun: the decisions are only to be told (nothing to write)."""
 
 
 def plan(
@@ -137,9 +139,16 @@ def plan(
         # A Backoff keeps its own pod's template; a Restart those of the pods it replaces.
         kept = [task.ref] if decision.action is Action.BACKOFF else refs
         templates = {r.uid: t for r in kept if (t := gone(r)) is not None}
+        graceful = decision.rule is not None and policy.rules[decision.rule].graceful
         changed = (
             apply_decision(
-                status, decision, now=now, targets=refs, templates=templates, fence=policy.fence
+                status,
+                decision,
+                now=now,
+                targets=refs,
+                templates=templates,
+                fence=policy.fence,
+                graceful=graceful,
             )
             or changed
         )
@@ -153,11 +162,14 @@ def plan(
                 pods=tuple(refs),
                 templates=templates,
                 fence=policy.fence,
+                graceful=graceful,
             )
             result.restarts.append(pending)
         elif decision.action is Action.BACKOFF and decision.until is not None:
             # As decided: a time from a clock ahead, taken as now, stays what it was taken as.
             result.backoffs.append((decision.fault, decision.until))
+    if policy.mode is Mode.DRY_RUN:
+        return Plan(decisions=result.decisions, dry_run=True)  # told, never written or done
     just_recorded = {(p.job, p.fault_id) for p in result.restarts}
     done = [
         (pending.job, pending.fault_id)

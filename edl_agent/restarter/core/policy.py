@@ -18,6 +18,10 @@ to restart (a limit reached). What a rule matches, by its `restartPolicy`:
   Always                  both: exits as OnFailure, events as OnNodeFail
   Never                   what it names (exitCodes and containerName, exceptionalEvent);
                           naming nothing, every fault. It matches and does not restart.
+  Graceful                events in exceptionalEvent (deviceDegraded, deviceUnhealthy);
+                          without it, deviceDegraded. The pod is evicted through the Eviction
+                          API with its own grace (PodDisruptionBudgets hold; a refused eviction
+                          waits and is tried again), so its trainer can save on SIGTERM.
 
 `containerName` narrows exits to one container's. An exit with an unknown code matches only
 rules without exitCodes; code 0 (no failure) only rules that list it and Never rules without
@@ -25,8 +29,10 @@ exitCodes. `exitCodes` is an integer or a string of codes and ranges, 0..255: "1
 "1-100", "1,3-5,200" (YAML reads unquoted `129,101` as that string). `exceptionalEvent` is
 comma-joined: `nodeNotReady`, `PodForceDeleted`, `PodEvicted`, `deviceUnhealthy` — the faults
 not of the program's making, from the fault kinds NodeNotReady, PodForceDeleted, PodEvicted and
-DeviceUnhealthy. (The parser also takes a list; the CRD takes only the string, since the API
-server cannot validate a field that may be either.)
+DeviceUnhealthy — and `deviceDegraded` (DeviceDegraded: a device the pod holds warns of a fault
+and still serves it), which only a rule that names it matches. (The parser also takes a list;
+the CRD takes only the string, since the API server cannot validate a field that may be
+either.)
 
 `spec.restartPolicy` with rules is a gate: a fault of a class it does not restart (exits for
 OnNodeFail, events for ExitCode and OnFailure, every fault for Never) is not restarted
@@ -104,6 +110,7 @@ class RestartPolicy(enum.StrEnum):
     ON_NODE_FAIL_WITH_EXIT_CODE = "OnNodeFailWithExitCode"
     EXIT_CODE = "ExitCode"
     NEVER = "Never"
+    GRACEFUL = "Graceful"
 
     @property
     def restarts_exits(self) -> bool:
@@ -124,6 +131,7 @@ _RESTARTS_EXITS = frozenset(
 )
 _RESTARTS_EVENTS = frozenset(
     {RestartPolicy.ON_NODE_FAIL, RestartPolicy.ON_NODE_FAIL_WITH_EXIT_CODE, RestartPolicy.ALWAYS}
+    | {RestartPolicy.GRACEFUL}
 )
 
 
@@ -144,19 +152,38 @@ class Fence(enum.StrEnum):
     WAIT = "Wait"
 
 
+class Mode(enum.StrEnum):
+    """`Act` carries out what the policy decides; `DryRun` only says it: an Event per decision
+    that would act (reason `DryRun`, naming the rule and the pod) and a metric, and writes
+    nothing else (no status, no pod), so a policy can be watched before it is trusted. Its
+    decisions read the status as it is: a dry run's restarts are not counted towards
+    restartLimit nor back off."""
+
+    ACT = "Act"
+    DRY_RUN = "DryRun"
+
+
 class ExceptionalEvent(enum.StrEnum):
     NODE_NOT_READY = "nodeNotReady"
     POD_FORCE_DELETED = "PodForceDeleted"
     POD_EVICTED = "PodEvicted"
     DEVICE_UNHEALTHY = "deviceUnhealthy"
+    DEVICE_DEGRADED = "deviceDegraded"
 
 
-ALL_EVENTS = frozenset(ExceptionalEvent)
+# What a rule that names no event matches: the four faults that stop a pod. A degraded device
+# stops nothing (its pod still runs), so only a rule that names `deviceDegraded` acts on it.
+ALL_EVENTS = frozenset(ExceptionalEvent) - {ExceptionalEvent.DEVICE_DEGRADED}
+# What a Graceful rule may name (a pod that still runs, on a node that answers), and matches when
+# it names nothing.
+GRACEFUL_EVENTS = frozenset({ExceptionalEvent.DEVICE_DEGRADED, ExceptionalEvent.DEVICE_UNHEALTHY})
+GRACEFUL_DEFAULT_EVENTS = frozenset({ExceptionalEvent.DEVICE_DEGRADED})
 EVENT_OF_KIND: Mapping[FaultKind, ExceptionalEvent] = {
     FaultKind.NODE_NOT_READY: ExceptionalEvent.NODE_NOT_READY,
     FaultKind.POD_FORCE_DELETED: ExceptionalEvent.POD_FORCE_DELETED,
     FaultKind.POD_EVICTED: ExceptionalEvent.POD_EVICTED,
     FaultKind.DEVICE_UNHEALTHY: ExceptionalEvent.DEVICE_UNHEALTHY,
+    FaultKind.DEVICE_DEGRADED: ExceptionalEvent.DEVICE_DEGRADED,
 }
 _RANGE = re.compile(r"(\d+)(?:\s*-\s*(\d+))?")
 
@@ -220,9 +247,20 @@ class Rule:
         event = EVENT_OF_KIND.get(fault.kind)
         if event is None:
             return self._takes_exits() and self._matches_exit(fault)
-        return self._takes_events() and event in (
-            ALL_EVENTS if self.events is None else self.events
-        )
+        return self._takes_events() and event in self.named_events
+
+    @property
+    def named_events(self) -> frozenset[ExceptionalEvent]:
+        """The events this rule matches when it takes events at all."""
+        if self.events is not None:
+            return self.events
+        if self.restart_policy is RestartPolicy.NEVER:
+            return frozenset(ExceptionalEvent)  # naming nothing, a Never rule matches every fault
+        return GRACEFUL_DEFAULT_EVENTS if self.graceful else ALL_EVENTS
+
+    @property
+    def graceful(self) -> bool:
+        return self.restart_policy is RestartPolicy.GRACEFUL
 
     def _takes_exits(self) -> bool:
         if self.restart_policy is RestartPolicy.NEVER:
@@ -292,6 +330,7 @@ class Policy:
     restart_timeout: int | None = None
     backoff: Backoff = field(default_factory=Backoff)
     fence: Fence = Fence.FORCE
+    mode: Mode = Mode.ACT
 
     def identify(self, pod: PodRef, labels: Mapping[str, str]) -> PodIdentity | None:
         """The pod's place in its job, or None when the policy does not cover the pod."""

@@ -20,6 +20,11 @@ class Conflict(Exception):
     """The policy changed since it was read: read it again and decide again."""
 
 
+class EvictionRefused(Exception):
+    """The Eviction API refused to evict the pod now (a PodDisruptionBudget allows no more
+    disruptions): nothing was done; try again later."""
+
+
 @dataclass(frozen=True)
 class Replacement:
     old: str
@@ -48,10 +53,15 @@ class ClusterPort(Protocol):
         failed_node: str,
         force: bool,
         why: str = "",
+        graceful: bool = False,
     ) -> Replacement:
         """Create the replacement of `pod` (its name fixed by the restart count, so a second
         try finds the first), then delete `pod` (conditional on its uid). A pod a controller
-        owns is only deleted, marked DisruptionTarget first with `why` (the fault)."""
+        owns is only deleted, marked DisruptionTarget first with `why` (the fault).
+
+        `graceful`: `pod` is evicted through the Eviction API instead, with its own grace, and
+        only then replaced (a bare pod); `EvictionRefused` when a disruption budget says not
+        now."""
         ...
 
 

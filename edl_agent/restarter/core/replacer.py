@@ -18,7 +18,7 @@ from edl_agent.kube_errors import ApiError
 from edl_agent.restarter.core.metrics import RestarterMetrics
 from edl_agent.restarter.core.pod_cache import is_whole
 from edl_agent.restarter.core.policy import Fence
-from edl_agent.restarter.core.port import ClusterPort, PodView
+from edl_agent.restarter.core.port import ClusterPort, EvictionRefused, PodView
 from edl_agent.restarter.core.status import PendingRestart
 from edl_agent.restarter.core.templates import GoneTemplates
 from edl_agent.runtime.bounded import BoundedSet
@@ -93,6 +93,25 @@ class Replacer:
                 about["uid"] = ref.uid
             self._announce("Warning", "WaitingForNode", message, about)
 
+    def _eviction_waits(self, pending: PendingRestart, ref: PodRef, why: str) -> None:
+        """A graceful restart's eviction was refused (a PodDisruptionBudget): it is tried again
+        with the recorded restarts; the operator is told once per pod."""
+        self._metrics.evictions_refused.inc()
+        with self._lock:
+            first = self._told.add(f"evict/{ref.uid or ref.namespace + '/' + ref.name}")
+        log.info("eviction refused; trying again later", pod=ref.name, reason=why)
+        if not first or self._announce is None:
+            return
+        about = {"apiVersion": "v1", "kind": "Pod", "name": ref.name, "namespace": ref.namespace}
+        if ref.uid:
+            about["uid"] = ref.uid
+        message = (
+            f"pod {ref.namespace}/{ref.name} of job {pending.job} is to leave gracefully for "
+            f"{pending.fault} (fault {pending.fault_id}), but its eviction was refused ({why}); "
+            "tried again until a disruption budget allows it"
+        )
+        self._announce("Warning", "EvictionRefused", message, about)
+
     def _replace_one(self, pending: PendingRestart, ref: PodRef) -> None:
         pods = self._pods
         try:
@@ -118,9 +137,13 @@ class Replacer:
                     log.info("a pod gone without a copy to replace it from", pod=ref.name)
                     return
             node = str((pod.get("spec") or {}).get("nodeName") or "")
-            force = bool(node) and (
-                pods.node_not_ready(node)
-                or (pending.fault is FaultKind.NODE_NOT_READY and node == pending.node)
+            force = (
+                not pending.graceful
+                and bool(node)
+                and (
+                    pods.node_not_ready(node)
+                    or (pending.fault is FaultKind.NODE_NOT_READY and node == pending.node)
+                )
             )
             if force and must_wait(pod, pending) and not pods.node_gone(node):
                 if not controller_owned(pod):
@@ -137,7 +160,10 @@ class Replacer:
                 failed_node=pending.node,
                 force=force,
                 why=disruption_message(pending),
+                graceful=pending.graceful,
             )
+        except EvictionRefused as exc:
+            self._eviction_waits(pending, ref, str(exc))
         except ApiError as exc:
             self._metrics.replacement_errors.inc()
             log.error(

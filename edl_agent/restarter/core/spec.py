@@ -15,10 +15,12 @@ from typing import Any
 from edl_agent.restarter.core.policy import (
     DEFAULT_RESTART_LIMIT,
     DEFAULT_RESTART_TIME_LIMIT,
+    GRACEFUL_EVENTS,
     Backoff,
     ExceptionalEvent,
     ExitCodes,
     Fence,
+    Mode,
     Policy,
     RestartPolicy,
     RestartScope,
@@ -72,6 +74,7 @@ class _PolicySpec:
     backoff: _BackoffSpec = field(default_factory=_BackoffSpec)
     faultTolerantPolicy: tuple[_RuleSpec, ...] = ()
     fence: Fence = Fence.FORCE
+    mode: Mode = Mode.ACT
 
 
 def parse_policy(spec: Any, where: str = "spec") -> Policy:
@@ -95,7 +98,7 @@ def parse_policy(spec: Any, where: str = "spec") -> Policy:
             raise SchemaError(
                 f"{where}.restartPolicy",
                 "without faultTolerantPolicy rules, restartPolicy is the rule: "
-                "one of Always, OnFailure, OnNodeFail, Never",
+                "one of Always, OnFailure, OnNodeFail, Graceful, Never",
             )
         rules = (Rule(raw.restartPolicy, default_scope),)
         gate = None
@@ -112,6 +115,7 @@ def parse_policy(spec: Any, where: str = "spec") -> Policy:
         restart_timeout=raw.restartTimeout,
         backoff=backoff,
         fence=raw.fence,
+        mode=raw.mode,
     )
 
 
@@ -126,7 +130,7 @@ def parse_events(value: str | tuple[str, ...] | list[str]) -> frozenset[Exceptio
             choices = ", ".join(ExceptionalEvent)
             raise ValueError(f"expected events among {choices}, got {name!r}") from None
     if not events:
-        raise ValueError("names no event (omit it for all four)")
+        raise ValueError("names no event (omit it for the rule's default)")
     return frozenset(events)
 
 
@@ -152,18 +156,34 @@ def _rule(
             raise SchemaError(f"{where}.exceptionalEvent", str(exc)) from None
     if codes is None and policy.needs_exit_codes:
         raise SchemaError(f"{where}.exitCodes", f"an {policy} rule needs exitCodes")
-    if policy is RestartPolicy.ON_NODE_FAIL:
-        for key, value in (("exitCodes", codes), ("containerName", raw.containerName)):
-            if value is not None:
-                raise SchemaError(
-                    f"{where}.{key}",
-                    "an OnNodeFail rule matches no container exits; use OnNodeFailWithExitCode",
-                )
+    _check_events_only(policy, codes, raw.containerName, where)
+    graceful = policy is RestartPolicy.GRACEFUL
+    if graceful and events is not None and not events <= GRACEFUL_EVENTS:
+        raise SchemaError(
+            f"{where}.exceptionalEvent",
+            "a Graceful rule evicts a pod that still runs: deviceDegraded, deviceUnhealthy",
+        )
     if events is not None and policy in (RestartPolicy.EXIT_CODE, RestartPolicy.ON_FAILURE):
         raise SchemaError(f"{where}.exceptionalEvent", f"an {policy} rule matches no events")
     if raw.containerName == "":
         raise SchemaError(f"{where}.containerName", "must not be empty")
     return Rule(policy, raw.restartScope or default_scope, codes, raw.containerName, events)
+
+
+def _check_events_only(
+    policy: RestartPolicy, codes: ExitCodes | None, container: str | None, where: str
+) -> None:
+    """OnNodeFail and Graceful rules match events only: no exit codes, no container."""
+    why = {
+        RestartPolicy.ON_NODE_FAIL: "an OnNodeFail rule matches no container exits; use "
+        "OnNodeFailWithExitCode",
+        RestartPolicy.GRACEFUL: "a Graceful rule matches no container exits",
+    }.get(policy)
+    if why is None:
+        return
+    for key, value in (("exitCodes", codes), ("containerName", container)):
+        if value is not None:
+            raise SchemaError(f"{where}.{key}", why)
 
 
 def _selector(raw: _SelectorSpec, where: str) -> LabelSelector:

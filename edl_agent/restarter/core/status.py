@@ -118,6 +118,8 @@ class PendingRestart:
     """uid → the pod as it was, for pods gone already at the decision (see `pod_template`)."""
     fence: Fence = Fence.FORCE
     """The policy's `fence` when it was decided: whether a pod on a NotReady node waits."""
+    graceful: bool = False
+    """Decided by a Graceful rule: each pod is evicted with its own grace, never deleted."""
 
 
 def pod_template(pod: Mapping[str, Any]) -> dict[str, Any]:
@@ -156,6 +158,7 @@ def apply_decision(
     targets: Sequence[PodRef] = (),
     templates: Mapping[str, Mapping[str, Any]] | None = None,
     fence: Fence = Fence.FORCE,
+    graceful: bool = False,
 ) -> bool:
     """`record_decision` in place, without the totals (`update_totals` once for a batch).
     `templates`: uid → `pod_template` of the pods the API no longer has. Whether it changed
@@ -183,7 +186,7 @@ def apply_decision(
             backoff["template"] = dict(templates[pod.uid])
         entry.setdefault("pendingBackoffs", []).append(backoff)
     if decision.action is Action.RESTART and targets:
-        pending = {
+        pending: dict[str, Any] = {
             "faultId": decision.fault.id,
             "fault": str(decision.fault.kind),
             "node": decision.fault.node,
@@ -192,6 +195,8 @@ def apply_decision(
         }
         if fence is Fence.WAIT:
             pending["fence"] = str(fence)
+        if graceful:
+            pending["graceful"] = True
         entry.setdefault("pendingRestarts", []).append(pending)
     return True
 
@@ -240,6 +245,7 @@ def pending_restarts(obj: Mapping[str, Any]) -> list[PendingRestart]:
                         if isinstance(p.get("template"), Mapping)
                     },
                     fence=Fence.WAIT if entry.get("fence") == Fence.WAIT else Fence.FORCE,
+                    graceful=entry.get("graceful") is True,
                 )
             )
     return sorted(found, key=lambda p: p.at)

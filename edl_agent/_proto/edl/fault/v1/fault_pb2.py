@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n)edl_agent/_proto/edl/fault/v1/fault.proto\x12\x0c\x65\x64l.fault.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"6\n\x06PodRef\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0b\n\x03uid\x18\x03 \x01(\t\"\xad\x02\n\x05\x46\x61ult\x12\n\n\x02id\x18\x01 \x01(\t\x12%\n\x04kind\x18\x02 \x01(\x0e\x32\x17.edl.fault.v1.FaultKind\x12\x0c\n\x04node\x18\x03 \x01(\t\x12/\n\x0bobserved_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\"\n\x04pods\x18\x05 \x03(\x0b\x32\x14.edl.fault.v1.PodRef\x12\x16\n\tcontainer\x18\x06 \x01(\tH\x00\x88\x01\x01\x12\x16\n\texit_code\x18\x07 \x01(\x05H\x01\x88\x01\x01\x12\x0e\n\x06reason\x18\x08 \x01(\t\x12\x12\n\ndevice_ids\x18\t \x03(\t\x12\x0e\n\x06\x64\x65tail\x18\n \x01(\t\x12\x0e\n\x06source\x18\x0b \x01(\tB\x0c\n\n_containerB\x0c\n\n_exit_code\"a\n\rReportRequest\x12#\n\x06\x66\x61ults\x18\x01 \x03(\x0b\x32\x13.edl.fault.v1.Fault\x12+\n\x07sent_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"O\n\x03\x41\x63k\x12\x10\n\x08\x66\x61ult_id\x18\x01 \x01(\t\x12&\n\x07verdict\x18\x02 \x01(\x0e\x32\x15.edl.fault.v1.Verdict\x12\x0e\n\x06reason\x18\x03 \x01(\t\"1\n\x0eReportResponse\x12\x1f\n\x04\x61\x63ks\x18\x01 \x03(\x0b\x32\x11.edl.fault.v1.Ack*\xc4\x01\n\tFaultKind\x12\x1a\n\x16\x46\x41ULT_KIND_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x46\x41ULT_KIND_CONTAINER_EXIT\x10\x01\x12\x1f\n\x1b\x46\x41ULT_KIND_DEVICE_UNHEALTHY\x10\x02\x12\x1d\n\x19\x46\x41ULT_KIND_NODE_NOT_READY\x10\x03\x12 \n\x1c\x46\x41ULT_KIND_POD_FORCE_DELETED\x10\x04\x12\x1a\n\x16\x46\x41ULT_KIND_POD_EVICTED\x10\x05*d\n\x07Verdict\x12\x17\n\x13VERDICT_UNSPECIFIED\x10\x00\x12\x14\n\x10VERDICT_ACCEPTED\x10\x01\x12\x15\n\x11VERDICT_DUPLICATE\x10\x02\x12\x13\n\x0fVERDICT_REFUSED\x10\x03\x32R\n\x0b\x46\x61ultIntake\x12\x43\n\x06Report\x12\x1b.edl.fault.v1.ReportRequest\x1a\x1c.edl.fault.v1.ReportResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n)edl_agent/_proto/edl/fault/v1/fault.proto\x12\x0c\x65\x64l.fault.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"6\n\x06PodRef\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0b\n\x03uid\x18\x03 \x01(\t\"\xad\x02\n\x05\x46\x61ult\x12\n\n\x02id\x18\x01 \x01(\t\x12%\n\x04kind\x18\x02 \x01(\x0e\x32\x17.edl.fault.v1.FaultKind\x12\x0c\n\x04node\x18\x03 \x01(\t\x12/\n\x0bobserved_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\"\n\x04pods\x18\x05 \x03(\x0b\x32\x14.edl.fault.v1.PodRef\x12\x16\n\tcontainer\x18\x06 \x01(\tH\x00\x88\x01\x01\x12\x16\n\texit_code\x18\x07 \x01(\x05H\x01\x88\x01\x01\x12\x0e\n\x06reason\x18\x08 \x01(\t\x12\x12\n\ndevice_ids\x18\t \x03(\t\x12\x0e\n\x06\x64\x65tail\x18\n \x01(\t\x12\x0e\n\x06source\x18\x0b \x01(\tB\x0c\n\n_containerB\x0c\n\n_exit_code\"a\n\rReportRequest\x12#\n\x06\x66\x61ults\x18\x01 \x03(\x0b\x32\x13.edl.fault.v1.Fault\x12+\n\x07sent_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"O\n\x03\x41\x63k\x12\x10\n\x08\x66\x61ult_id\x18\x01 \x01(\t\x12&\n\x07verdict\x18\x02 \x01(\x0e\x32\x15.edl.fault.v1.Verdict\x12\x0e\n\x06reason\x18\x03 \x01(\t\"1\n\x0eReportResponse\x12\x1f\n\x04\x61\x63ks\x18\x01 \x03(\x0b\x32\x11.edl.fault.v1.Ack*\xe4\x01\n\tFaultKind\x12\x1a\n\x16\x46\x41ULT_KIND_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x46\x41ULT_KIND_CONTAINER_EXIT\x10\x01\x12\x1f\n\x1b\x46\x41ULT_KIND_DEVICE_UNHEALTHY\x10\x02\x12\x1d\n\x19\x46\x41ULT_KIND_NODE_NOT_READY\x10\x03\x12 \n\x1c\x46\x41ULT_KIND_POD_FORCE_DELETED\x10\x04\x12\x1a\n\x16\x46\x41ULT_KIND_POD_EVICTED\x10\x05\x12\x1e\n\x1a\x46\x41ULT_KIND_DEVICE_DEGRADED\x10\x06*d\n\x07Verdict\x12\x17\n\x13VERDICT_UNSPECIFIED\x10\x00\x12\x14\n\x10VERDICT_ACCEPTED\x10\x01\x12\x15\n\x11VERDICT_DUPLICATE\x10\x02\x12\x13\n\x0fVERDICT_REFUSED\x10\x03\x32R\n\x0b\x46\x61ultIntake\x12\x43\n\x06Report\x12\x1b.edl.fault.v1.ReportRequest\x1a\x1c.edl.fault.v1.ReportResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,9 +33,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'edl_agent._proto.edl.fault.
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_FAULTKIND']._serialized_start=684
-  _globals['_FAULTKIND']._serialized_end=880
-  _globals['_VERDICT']._serialized_start=882
-  _globals['_VERDICT']._serialized_end=982
+  _globals['_FAULTKIND']._serialized_end=912
+  _globals['_VERDICT']._serialized_start=914
+  _globals['_VERDICT']._serialized_end=1014
   _globals['_PODREF']._serialized_start=92
   _globals['_PODREF']._serialized_end=146
   _globals['_FAULT']._serialized_start=149
@@ -46,6 +46,6 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ACK']._serialized_end=630
   _globals['_REPORTRESPONSE']._serialized_start=632
   _globals['_REPORTRESPONSE']._serialized_end=681
-  _globals['_FAULTINTAKE']._serialized_start=984
-  _globals['_FAULTINTAKE']._serialized_end=1066
+  _globals['_FAULTINTAKE']._serialized_start=1016
+  _globals['_FAULTINTAKE']._serialized_end=1098
 # @@protoc_insertion_point(module_scope)

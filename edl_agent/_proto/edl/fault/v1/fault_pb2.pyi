@@ -18,6 +18,7 @@ class FaultKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAULT_KIND_NODE_NOT_READY: _ClassVar[FaultKind]
     FAULT_KIND_POD_FORCE_DELETED: _ClassVar[FaultKind]
     FAULT_KIND_POD_EVICTED: _ClassVar[FaultKind]
+    FAULT_KIND_DEVICE_DEGRADED: _ClassVar[FaultKind]
 
 class Verdict(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -31,6 +32,7 @@ FAULT_KIND_DEVICE_UNHEALTHY: FaultKind
 FAULT_KIND_NODE_NOT_READY: FaultKind
 FAULT_KIND_POD_FORCE_DELETED: FaultKind
 FAULT_KIND_POD_EVICTED: FaultKind
+FAULT_KIND_DEVICE_DEGRADED: FaultKind
 VERDICT_UNSPECIFIED: Verdict
 VERDICT_ACCEPTED: Verdict
 VERDICT_DUPLICATE: Verdict
