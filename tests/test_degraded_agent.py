@@ -7,15 +7,17 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from edl_agent.devices.model import Vendor
 from edl_agent.faults.model import FaultKind, PodRef
 from edl_agent.faults.outbox import Outbox
 from edl_agent.health.nvml_wear import CLOCKS_THROTTLED, PCIE_DOWNGRADED, ROWS_PENDING
 from edl_agent.labels.condition import DEGRADED_REASON, accelerator_health
 from edl_agent.metrics.collectors import EdlCollector, build_registry
-from edl_agent.sim import inject
+from edl_agent.sim import ascend_tree, inject
 from tests import waiting
 from tests.podresources_standin import PodResourcesStandIn
 from tests.test_agent_faults import (
@@ -150,3 +152,50 @@ def test_shadow_mode_reports_health_and_withdraws_nothing(tmp_path: Path) -> Non
         samples = scrape(node)
         assert samples[("edl_device_healthy", ids[3])] == 0.0  # but the truth is reported
         assert samples[("edl_device_degraded", ids[5])] == 1.0
+
+
+@pytest.mark.parametrize(
+    ("code", "clears"),
+    [
+        ("0x80818C06", "while reported"),  # SubHealthFault: over when the driver stops it
+        ("0x8118043C", "release"),  # PreSeparateNPU: isolated once its job left, until released
+    ],
+)
+def test_an_ascend_warning_level_degrades_the_chip(tmp_path: Path, code: str, clears: str) -> None:
+    with running_node(tmp_path, "ascend-910bx8") as node:
+        resource = "huawei.com/Ascend910"
+        node.kubelet.wait_registered({resource})
+        units = node.agent.state.snapshot().resources[resource].units
+        chip = units[2].device_id
+        watch = node.kubelet.watch(resource)
+        watch.next()
+        ascend_tree.set_npu_health(node.tree, 2, "Warning", fault_codes=(code,))
+        watch.until(lambda u: health_of(u)[units[2].id] == "Unhealthy", timeout=10)
+        assert node.agent.hub.degraded()[chip].reason == f"NPU_FAULT_0x{code[2:].upper()}"
+        assert node.agent.unhealthy() == {}
+        ascend_tree.set_npu_health(node.tree, 2, "OK")
+        if clears == "release":
+            polls = node.agent.health.polls
+            for _ in range(2):  # two whole polls read the chip OK
+                last = polls.telemetry.get(Vendor.ASCEND)
+                wait_until(lambda last=last: polls.telemetry.get(Vendor.ASCEND) is not last)
+            assert chip in node.agent.hub.degraded()  # PreSeparateNPU waits for a release
+            node.agent.hub.release({chip})
+        watch.until(lambda u: health_of(u)[units[2].id] == "Healthy", timeout=10)
+        watch.cancel()
+
+
+def test_corrected_errors_climbing_degrade_a_gpu(tmp_path: Path) -> None:
+    rate = {"health": {"degraded": {"poll_seconds": 0.05, "ecc_corrected_errors": 5}}}
+    with running_node(tmp_path, "dgx-h100", extra=rate) as node:
+        ids = gpu_ids(node)
+        watch = watch_gpus(node)
+        inject.inject_ecc_sbe(node.tree, 7, count=4)  # below the threshold
+        wait_until(lambda: node.agent.health.wear is not None and node.agent.health.wear.rounds > 2)
+        rounds = node.agent.health.wear.rounds
+        wait_until(lambda: node.agent.health.wear.rounds > rounds + 2)
+        assert node.agent.hub.degraded() == {}
+        inject.inject_ecc_sbe(node.tree, 7)  # the fifth within the window
+        watch.until(lambda u: health_of(u)[ids[7]] == "Unhealthy")
+        assert degraded_reasons(node, ids[7]) == "ECC_SBE_RATE"
+        watch.cancel()

@@ -13,8 +13,10 @@ A pod is a host when all of these hold; otherwise it is left out, with the first
   `edl.io/replaces-uid`                     it (created before the old pod is deleted)
   status.phase, condition Ready             not Running, or not Ready
   allocatedResourcesStatus (KEP-4680)       a device of the pod reported `Unhealthy` by kubelet
-                                            (device plugin: our ListAndWatch health, so cordoned
-                                            and quarantined devices too; DRA: our health stream)
+                                            (device plugin: our ListAndWatch health, so cordoned,
+                                            quarantined and degraded devices too: Horovod then
+                                            lets the host go at its next commit; DRA: our
+                                            health stream, where degraded reads Healthy)
   its node (unless nodes are not read)      gone; Ready not True; tainted
                                             `node.kubernetes.io/unreachable` or
                                             `.../out-of-service` (an operator's word that it is

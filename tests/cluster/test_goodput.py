@@ -129,6 +129,7 @@ def test_a_run(  # noqa: PLR0917 - fixtures
         else:
             end = start + MINUTES * 60
             while time.time() < end:
+                job.logs.reports()  # read as it goes, as the faulty run must
                 time.sleep(5.0)  # the run's length is the measurement itself
             seconds = step_time(job.logs.reports(), start, end)
             steps = round((end - start) / seconds)
@@ -157,6 +158,7 @@ def through_faults(job: Job, start: float) -> None:
                 notes.append(note)
             turn += 1
             next_fault += INTERVAL
+        job.logs.reports()  # read now: a replaced pod's log goes with it
         time.sleep(1.0)  # the schedule is the measurement itself
     reports = job.logs.reports()
     write(
