@@ -322,7 +322,7 @@ class HealthHub:
         self._offer_quarantine(force=force)
         devices = self.state.snapshot().inventory.devices
         unhealthy = self.tracker.unhealthy(devices)
-        degraded = self.tracker.degraded(devices)
+        degraded = self.tracker.degraded(devices, unhealthy.keys())
         self.state.set_unhealthy(unhealthy.keys() | self._cordoned, degraded.keys())
         shown = (
             frozenset((d, c.reason) for d, c in unhealthy.items()),

@@ -124,21 +124,13 @@ class HealthTracker:
             return []
         conditions = self._device.setdefault(device_id, {})
         current = conditions.get(event.reason)
-        if current is not None and event.level.rank <= current.level.rank:
-            # A repeat: no transition, whatever the flood.
+        # A repeat at no higher level: no transition, whatever the flood.
+        repeat = current is not None and event.level.rank <= current.level.rank
+        was = None if repeat else self.state_of(device_id)
+        if current is not None:  # a repeat, or the same reason now more severe
             conditions[event.reason] = replace(
                 current,
-                last_seen=event.at,
-                detail=event.detail or current.detail,
-                clears_by=max(current.clears_by, clears_by, key=_STRICTNESS.index),
-                count=current.count + 1,
-            )
-            return []
-        was = self.state_of(device_id)
-        if current is not None:  # the same reason, now more severe (degraded, then failed)
-            conditions[event.reason] = replace(
-                current,
-                level=event.level,
+                level=max(current.level, event.level, key=lambda level: level.rank),
                 last_seen=event.at,
                 detail=event.detail or current.detail,
                 clears_by=max(current.clears_by, clears_by, key=_STRICTNESS.index),
@@ -153,6 +145,8 @@ class HealthTracker:
                 detail=event.detail,
                 clears_by=clears_by,
             )
+        if was is None:
+            return []
         now = self.state_of(device_id)
         if now == was:
             return []
@@ -309,10 +303,14 @@ class HealthTracker:
                 result[device.id] = _worst(candidates)
         return result
 
-    def degraded(self, devices: Iterable[Device]) -> dict[str, Condition]:
+    def degraded(
+        self, devices: Iterable[Device], unhealthy: Collection[str] | None = None
+    ) -> dict[str, Condition]:
         """Every degraded device (one with a Degraded condition and none worse, of `devices`
-        plus those only known by id) and its worst, most recent Degraded condition."""
-        unhealthy = self.unhealthy(devices)
+        plus those only known by id) and its worst, most recent Degraded condition.
+        `unhealthy`: the devices `unhealthy(devices)` gives, when the caller has them."""
+        if unhealthy is None:
+            unhealthy = self.unhealthy(devices)
         result: dict[str, Condition] = {}
         for device_id, conditions in self._device.items():
             if device_id in unhealthy:
