@@ -162,7 +162,7 @@ class Agent:
             writer = VolcanoDeviceInfo(
                 api=api,
                 state=self.state,
-                conditions=self.hub.unhealthy,
+                conditions=self.hub.withdrawing,
                 prefix=self.settings.ascend.resource_prefix,
                 overrides=self.settings.health.ascend_code_levels,
             )

@@ -79,6 +79,9 @@ CONTROLLERS = (
     "resourceclaim-controller",
     "device-taint-eviction-controller",
     "serviceaccount-token-controller",
+    # PodDisruptionBudgets' status: without it the Eviction API refuses every pod a budget
+    # selects ("still being processed"), whatever the budget allows.
+    "disruption-controller",
 )
 # A node whose kubelet (or kwok's lease) stops reporting turns NotReady after this long (the
 # default is 50 s). kwok renews its nodes' Leases every 10 s, kubelet every 10 s.
@@ -99,6 +102,23 @@ CREATED = (
 PR_SET_PDEATHSIG = 1
 PORT_ATTEMPTS = 3
 
+# kube-apiserver's audit log (logs/audit.log, one JSON object per line): every write made by a
+# ServiceAccount outside kube-system, which is how the tests that run our components under their
+# own RBAC see each write they make. Nothing else is logged (kwok, kubelets, the tests' admin
+# and kube-controller-manager's controllers write far more, and are not what a test asks about).
+AUDIT_POLICY = """\
+apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+  - level: None
+    userGroups: ["system:serviceaccounts:kube-system"]
+  - level: Metadata
+    userGroups: ["system:serviceaccounts"]
+    verbs: [create, update, patch, delete, deletecollection]
+  - level: None
+"""
+
 
 class ControlPlaneError(RuntimeError):
     """The control plane could not be started or stopped; the message says why."""
@@ -118,6 +138,11 @@ class ControlPlane:
 
     def stop(self, timeout: float = 15.0) -> list[int]:
         return stop(self.directory, timeout=timeout)
+
+    @property
+    def audit_log(self) -> Path:
+        """kube-apiserver's audit log (see AUDIT_POLICY)."""
+        return self.directory / "logs" / "audit.log"
 
 
 # Control planes started in attached mode by this process, stopped at exit.
@@ -350,6 +375,10 @@ def _apiserver_argv(apiserver: Path, directory: Path, etcd_port: int, port: int)
         f"--service-account-key-file={pki / 'sa.pub'}",
         f"--service-account-signing-key-file={pki / 'sa.key'}",
         f"--service-cluster-ip-range={SERVICE_CIDR}",
+        f"--audit-policy-file={directory / 'logs' / 'audit-policy.yaml'}",
+        f"--audit-log-path={directory / 'logs' / 'audit.log'}",
+        "--audit-log-maxsize=100",
+        "--audit-log-maxbackup=1",
         # Nothing creates the default ServiceAccounts that the ServiceAccount admission plugin
         # insists on: the controller manager, where one runs, runs no serviceaccount controller.
         "--disable-admission-plugins=ServiceAccount",
@@ -581,6 +610,7 @@ def _start_once(
         _ATTACHED[directory] = plane
     try:
         (directory / "logs").mkdir()
+        (directory / "logs" / "audit-policy.yaml").write_text(AUDIT_POLICY)
         (directory / "kwok-home").mkdir()
         plane.token = _make_pki(directory / "pki")
         _write_kubeconfig(kubeconfig, server, plane.ca_file, plane.token)

@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from edl_agent.devices.model import Vendor
 from edl_agent.faults.model import FaultKind, PodRef
 from edl_agent.faults.outbox import Outbox
+from edl_agent.health.model import Level
 from edl_agent.health.nvml_wear import CLOCKS_THROTTLED, PCIE_DOWNGRADED, ROWS_PENDING
 from edl_agent.labels.condition import DEGRADED_REASON, accelerator_health
 from edl_agent.metrics.collectors import EdlCollector, build_registry
@@ -173,6 +174,8 @@ def test_an_ascend_warning_level_degrades_the_chip(tmp_path: Path, code: str, cl
         watch.until(lambda u: health_of(u)[units[2].id] == "Unhealthy", timeout=10)
         assert node.agent.hub.degraded()[chip].reason == f"NPU_FAULT_0x{code[2:].upper()}"
         assert node.agent.unhealthy() == {}
+        # What Volcano's device info lists it by (kept from new work, at its own level).
+        assert node.agent.hub.withdrawing()[chip].level is Level.DEGRADED
         ascend_tree.set_npu_health(node.tree, 2, "OK")
         if clears == "release":
             polls = node.agent.health.polls

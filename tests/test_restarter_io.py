@@ -12,6 +12,7 @@ from edl_agent.faults.model import FaultKind, PodRef
 from edl_agent.restarter.adapters.nodes import is_not_ready
 from edl_agent.restarter.adapters.watchers import DELETED_BY_ANNOTATION, RESTARTER, ClusterWatcher
 from edl_agent.restarter.core.replacement import (
+    AVOIDED_NODE_ANNOTATION,
     BASE_NAME_ANNOTATION,
     RESTART_COUNT_ANNOTATION,
     RESTART_COUNT_ENV,
@@ -163,17 +164,68 @@ def test_the_replacement_keeps_the_pod_and_drops_its_binding() -> None:
     assert terms == [
         {"matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": ["n2"]}]}
     ]
+    assert again["metadata"]["annotations"][AVOIDED_NODE_ANNOTATION] == "n2"
+    # The last failed node only: in a pool of a few nodes, avoiding each one a predecessor
+    # failed on would soon leave the job's replacement nowhere to run.
     third = replacement_pod(again, avoid_node="n3")
     (term,) = third["spec"]["affinity"]["nodeAffinity"][
         "requiredDuringSchedulingIgnoredDuringExecution"
     ]["nodeSelectorTerms"]
-    # One value per requirement: the API server refuses a metadata.name field requirement
-    # with two.
-    assert term["matchFields"] == [
-        {"key": "metadata.name", "operator": "NotIn", "values": ["n2"]},
-        {"key": "metadata.name", "operator": "NotIn", "values": ["n3"]},
-    ]
+    assert term["matchFields"] == [{"key": "metadata.name", "operator": "NotIn", "values": ["n3"]}]
+    assert third["metadata"]["annotations"][AVOIDED_NODE_ANNOTATION] == "n3"
     assert replacement_pod(third, avoid_node="n3")["spec"]["affinity"] == third["spec"]["affinity"]
+    # A replacement for a fault that names no node keeps avoiding the last failed one.
+    exited = replacement_pod(third, avoid_node=None)
+    assert exited["spec"]["affinity"] == third["spec"]["affinity"]
+    assert exited["metadata"]["annotations"][AVOIDED_NODE_ANNOTATION] == "n3"
+
+
+def test_a_pods_own_affinity_outlives_the_nodes_it_was_moved_off() -> None:
+    old = pod()
+    own = {"key": "metadata.name", "operator": "NotIn", "values": ["n9"]}
+    zone = {"key": "zone", "operator": "In", "values": ["a"]}
+    old["spec"]["affinity"] = {
+        "podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []},
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": [zone]}, {"matchFields": [own]}]
+            }
+        },
+    }
+    first = replacement_pod(old, avoid_node="n1")
+    second = replacement_pod(first, avoid_node="n2")
+    assert second["spec"]["affinity"]["nodeAffinity"] == {
+        "requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [
+                {"matchExpressions": [zone], "matchFields": [_not_on("n2")]},
+                {"matchFields": [own, _not_on("n2")]},
+            ]
+        }
+    }
+    assert (
+        second["spec"]["affinity"]["podAntiAffinity"] == old["spec"]["affinity"]["podAntiAffinity"]
+    )
+    # Avoiding a node the pod's own rule avoids already adds nothing, and nothing to forget.
+    third = replacement_pod(second, avoid_node="n9")
+    assert (
+        _not_on("n2")
+        not in third["spec"]["affinity"]["nodeAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"
+        ]["nodeSelectorTerms"][1]["matchFields"]
+    )
+    # With no affinity of its own, a pod moved on twice has exactly the last requirement.
+    bare = replacement_pod(replacement_pod(pod(), avoid_node="n1"), avoid_node="n2")
+    assert bare["spec"]["affinity"] == {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchFields": [_not_on("n2")]}]
+            }
+        }
+    }
+
+
+def _not_on(node: str) -> dict[str, Any]:
+    return {"key": "metadata.name", "operator": "NotIn", "values": [node]}
 
 
 def test_the_anti_affinity_is_added_to_every_existing_term() -> None:

@@ -463,3 +463,58 @@ def test_the_agent_adds_the_writer_only_when_asked(tmp_path: Path, enabled: bool
         agent.close()
     assert ("volcano-device-info" in names) is enabled
     assert "node-publisher" in names
+
+
+# --- degraded NPUs and shadow mode ---------------------------------------------------------------
+
+
+def writer_with_state(
+    api: FakeApi, conditions: dict[str, Condition], clock: Clock, *, shadow: bool
+) -> tuple[VolcanoDeviceInfo, DeviceState]:
+    inventory = Inventory("node-a", (VendorReport(Vendor.ASCEND, (npu(0), npu(1), npu(2))),), ())
+    state = DeviceState(inventory, shadow=shadow)
+    writer = VolcanoDeviceInfo(
+        api=api,  # type: ignore[arg-type]  # the one call the writer makes
+        state=state,
+        conditions=lambda: dict(conditions),
+        wall=lambda: clock.now + WALL_OFFSET,
+        monotonic=clock,
+    )
+    return writer, state
+
+
+@pytest.mark.parametrize("shadow", [False, True])
+def test_a_degraded_npu_is_kept_from_volcano_as_from_kubelet_but_not_in_shadow_mode(
+    shadow: bool,
+) -> None:
+    api, clock = FakeApi(), Clock()
+    conditions = {
+        "ascend-npu1": fault("NPU_FAULT_0x80818C06", level=Level.DEGRADED),  # SubHealthFault
+        "ascend-npu2": fault("NPU_FAULT_0x80E18402"),
+    }
+    writer, state = writer_with_state(api, conditions, clock, shadow=shadow)
+    state.set_unhealthy({"ascend-npu2"}, {"ascend-npu1"})
+    writer.sync()
+    lists = api.config(NAME)["DeviceInfo"]["DeviceList"]
+    if shadow:
+        assert lists["huawei.com/Ascend910"] == "Ascend910-0,Ascend910-1,Ascend910-2"
+        assert lists["huawei.com/Ascend910-Unhealthy"] == ""
+        assert json.loads(lists["huawei.com/Ascend910-Fault"]) == []
+        return
+    assert lists["huawei.com/Ascend910"] == "Ascend910-0"
+    assert lists["huawei.com/Ascend910-Unhealthy"] == "Ascend910-1,Ascend910-2"
+    levels = {
+        f["npu_name"]: (f["fault_level"], f["fault_code"])
+        for f in json.loads(lists["huawei.com/Ascend910-Fault"])
+    }
+    assert levels == {
+        "Ascend910-1": ("SubHealthFault", "80818C06"),
+        "Ascend910-2": ("SeparateNPU", "80E18402"),
+    }
+    # Over: the NPU is offered again.
+    del conditions["ascend-npu1"]
+    state.set_unhealthy({"ascend-npu2"}, set())
+    writer.sync()
+    lists = api.config(NAME)["DeviceInfo"]["DeviceList"]
+    assert lists["huawei.com/Ascend910"] == "Ascend910-0,Ascend910-1"
+    assert lists["huawei.com/Ascend910-Unhealthy"] == "Ascend910-2"

@@ -299,6 +299,14 @@ class HealthHub:
         with self._lock:
             return self.tracker.degraded(self.state.snapshot().inventory.devices)
 
+    def withdrawing(self) -> dict[str, Condition]:
+        """The worst condition of every unhealthy or degraded device: why each is kept from new
+        work."""
+        with self._lock:
+            devices = self.state.snapshot().inventory.devices
+            unhealthy = self.tracker.unhealthy(devices)
+            return {**self.tracker.degraded(devices, unhealthy), **unhealthy}
+
     def monitor_failures(self) -> dict[Vendor, Condition]:
         with self._lock:
             return dict(self.tracker.monitor_failures())

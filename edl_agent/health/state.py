@@ -40,7 +40,7 @@ class Snapshot:
 
     @property
     def withdrawn_degraded(self) -> frozenset[str]:
-        """The degraded physical devices as DRA is told (none in shadow mode)."""
+        """The degraded physical devices as DRA and Volcano are told (none in shadow mode)."""
         return frozenset() if self.shadow else self.degraded
 
     def unit_health(self, unit: ResourceUnit) -> Health:

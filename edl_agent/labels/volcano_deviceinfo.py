@@ -114,8 +114,8 @@ def npu_report(
     overrides: Mapping[str, str] | None = None,
 ) -> NpuReport | None:
     """The report for the node's Ascend NPUs (None without any): `unhealthy` are the ids of the
-    unhealthy devices (the state's `unhealthy_all`), `conditions` the hub's worst condition per
-    unhealthy device, `overrides` `health.ascend_code_levels`."""
+    devices withdrawn (unhealthy or degraded), `conditions` the hub's worst condition per such
+    device, `overrides` `health.ascend_code_levels`."""
     bad = set(unhealthy)
     groups: dict[str, list[tuple[str, Device]]] = {}
     for device in devices:

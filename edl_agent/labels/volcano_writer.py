@@ -10,6 +10,11 @@ without an Ascend NPU of a known chip gets no ConfigMap. A failed API call is lo
 with backoff; the part is ready once the first write (or the finding that there is nothing to
 write) is done.
 
+A degraded NPU (SubHealth, PreSeparateNPU) is listed with the unhealthy ones and among the faults
+at its level (`SubHealthFault`, or its code's): it takes no new pod from kubelet, so Volcano is not
+to place one there either. In shadow mode (`health.shadow`) every NPU is listed healthy and no
+fault is listed: nothing is withdrawn, and Volcano is given nothing to act on.
+
 It also keeps the Node's `baseDeviceInfos` annotation (the node's NPUs, which the plugin reads
 beside the ConfigMap): written at start and whenever the NPUs discovered change, never removed.
 """
@@ -131,10 +136,11 @@ class VolcanoDeviceInfo:
         return snapshot.version
 
     def _write_report(self, snapshot: Snapshot) -> None:
+        # Shadow mode withdraws nothing, so Volcano is told of no fault to act on.
         report = npu_report(
             devices=snapshot.inventory.devices,
-            unhealthy=snapshot.withdrawn,
-            conditions=self._conditions(),
+            unhealthy=snapshot.withdrawn | snapshot.withdrawn_degraded,
+            conditions={} if snapshot.shadow else self._conditions(),
             prefix=self._prefix,
             overrides=self._overrides,
         )

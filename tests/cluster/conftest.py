@@ -18,7 +18,7 @@ Fixtures:
 
 With kube-controller-manager (testcluster.CONTROLLERS: Job, ReplicaSet, Deployment, StatefulSet,
 node lifecycle, taint eviction, pod GC, garbage collector, ResourceClaim, device taint eviction,
-ServiceAccount tokens),
+ServiceAccount tokens, disruption budgets),
 a control plane of its own, so that its controllers never act on the session plane's objects:
   k8s_managed_plane         module: the running control plane with the controller manager
   k8s_managed_api_client    module: an admin ApiClient for it

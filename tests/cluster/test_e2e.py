@@ -559,9 +559,10 @@ def reporting_agent(
     intake_token: str,
     intake_port: int,
     processes: list[Process],
+    extra: tuple[str, ...] = (),
 ) -> NodeAgent:
     """`edl-agent run` (simulated dgx-h100) on `node`, reporting to the restarter's intake with
-    `intake_token`; added to `processes`."""
+    `intake_token` (`extra`: more arguments); added to `processes`."""
     (directory / "intake-token").write_text(intake_token)
     agent = node_agent(
         node,
@@ -570,6 +571,7 @@ def reporting_agent(
         f"--restarter-address=127.0.0.1:{intake_port}",
         f"--set=node.kubeconfig={kubeconfig}",
         f"--set=faults.token_file={directory / 'intake-token'}",
+        *extra,
     )
     assert agent.process is not None
     processes.append(agent.process)

@@ -371,7 +371,7 @@ def test_a_replacement_on_a_node_that_then_goes_not_ready_is_replaced_again(
         for field in term.match_fields
         for value in field.values
     ]
-    assert second in avoided
+    assert avoided == [second]  # the last failed node only: `first` may be back by now
     job = wait_action(objects, k8s.namespace, "train", 2)
     assert [a["fault"] for a in job["lastActions"][-2:]] == ["NodeNotReady", "NodeNotReady"]
     assert job["restarts"] == 2

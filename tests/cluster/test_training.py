@@ -12,13 +12,22 @@ checkpoint and making steps:
 - XID 94 (a contained error: the GPU warns, Degraded) on the GPU a worker holds: the policy's
   Graceful rule evicts the pod, its trainer saves the step it finished on SIGTERM, the job
   resumes from exactly there (no step lost) with the replacement on another GPU;
-- a launcher exits 101 (a policy code): the pod ends (its restart rules leave 101 to us), the
-  restarter replaces it;
+- the same warning on the worker whose trainer does not save on SIGTERM (the third; it dies of
+  it, as a trainer nobody taught would): replaced, the job resumes from the last periodic
+  checkpoint, losing at most its interval, as after any other fault;
 - a launcher exits 1: kubelet restarts it in place (its restart rules), the restarter does not
   replace anything;
+- the warning while a PodDisruptionBudget allows no disruption: the eviction is refused (an
+  Event), the pod trains on with no copy beside it; once the budget is lifted it leaves as
+  gracefully (no step lost);
+- a launcher exits 101 (a policy code): the pod ends (its restart rules leave 101 to us), the
+  restarter replaces it;
 - a worker pod force-deleted: replaced;
 - a node dies (kubelet and runtime stop): NotReady, its worker replaced on another node;
 - the baseline: the same XID with the restarter stopped, measured over a fixed window.
+The faults go round the workers, and one that restarts a worker waits until its last restart is
+older than the policy's restartTimeLimit (60 s): within it, a restart is one more in a row, which
+the policy backs off, and the figures would show that wait.
 
 A second job runs to its end: every worker's pod must end Succeeded, with nothing replaced. The
 workers' container restart rules are read from deploy/examples/paddle-elastic-job.yaml, so both
@@ -67,6 +76,7 @@ from test_e2e import (  # fixtures too: pytest finds them among the module's nam
 )
 from test_restarter import GROUP, PLURAL, VERSION, install_policy_crd
 
+from edl_agent.kube_time import parse_time
 from edl_agent.restarter.core.replacement import REPLACES_ANNOTATION
 from edl_agent.sim import inject
 from tests.training.progress import Recovery, Report, parse, progressing, recovery
@@ -81,6 +91,8 @@ EXAMPLE = REPO / "deploy" / "examples" / "paddle-elastic-job.yaml"
 WORLD = 3
 XID = 95
 WARNED_XID = 94  # Degraded: the pod leaves gracefully
+IGNORES_SIGTERM = 2  # the worker whose trainer does not save on SIGTERM
+CHECKPOINT_EVERY = 50  # train.py's default: steps between rank 0's periodic checkpoints
 MERGE = "application/merge-patch+json"
 STARTUP = 180.0
 RECOVERY = 150.0  # fault → training back at full size; Paddle's own share is ~17 s
@@ -240,11 +252,13 @@ def worker_pod(
     etcd: str,
     workdir: Path,
     steps: int | None = None,
+    ignore_sigterm: bool = False,
 ) -> dict[str, Any]:
     """A worker: one launcher with one GPU, with the shipped restart rules: kubelet restarts the
     launcher in place on a failed exit except the policy's codes (129, 101), which end the pod
     for the restarter; exit 0 ends the pod Succeeded. `steps`: the trainer exits 0 after that
-    many (else it trains on until the test ends)."""
+    many (else it trains on until the test ends); `ignore_sigterm`: its trainer does not save
+    on SIGTERM (it dies of it, as a trainer nobody taught to save does)."""
     labels = {**worker_labels(index), f"{POOL_LABEL}-job": JOB}
     launcher = [
         str(python),
@@ -260,6 +274,7 @@ def worker_pod(
         str(TRAIN_PY),
         f"--checkpoints={workdir}/checkpoints",
         *([] if steps is None else [f"--steps={steps}"]),
+        *(["--ignore-sigterm"] if ignore_sigterm else []),
     ]
     spec: dict[str, Any] = {
         "nodeSelector": {POOL_LABEL: pool},
@@ -476,9 +491,11 @@ def start_job(
     processes: list[Process],
     tmp_path: Path,
     steps: int | None = None,
+    ignoring_sigterm: frozenset[int] = frozenset(),
 ) -> Job:
     """Three exec-mode kubelet nodes with an agent each, the restarter and the policy, and one
-    worker created on each node (`steps`: see `worker_pod`)."""
+    worker created on each node (`steps`: see `worker_pod`; `ignoring_sigterm`: the indexes of
+    the workers whose trainers do not save on SIGTERM)."""
     ns = k8s.namespace
     workdir = tmp_path / "train"
     (workdir / "checkpoints").mkdir(parents=True)
@@ -505,6 +522,7 @@ def start_job(
                 etcd=etcd,
                 workdir=workdir,
                 steps=steps,
+                ignore_sigterm=index in ignoring_sigterm,
             ),
         )
     return job
@@ -588,6 +606,7 @@ def test_training_keeps_going_through_faults(  # noqa: PLR0917 - fixtures
         etcd=etcd,
         processes=processes,
         tmp_path=tmp_path,
+        ignoring_sigterm=frozenset({IGNORES_SIGTERM}),
     )
     logs = job.logs
     restarter = job.restarter
@@ -601,6 +620,8 @@ def test_training_keeps_going_through_faults(  # noqa: PLR0917 - fixtures
     )
 
     try:
+        # The scenarios go round the workers, and each waits until its worker's last restart is
+        # older than the policy's restartTimeLimit (see `out_of_its_streak`).
         # --- XID on the GPU a worker holds
         victim = job.worker(0)
         replaced_scenario(job, f"XID {XID} on a worker's GPU", victim, lambda: xid_on(job, victim))
@@ -619,17 +640,20 @@ def test_training_keeps_going_through_faults(  # noqa: PLR0917 - fixtures
         successor = job.worker(1)
         assert (successor.spec.node_name, gpu_of(job, successor)) != worn
 
-        # --- a launcher exits 101 (a policy code)
-        victim = job.worker(1)
-        replaced_scenario(
+        # --- a warned fault on a worker whose trainer does not save on SIGTERM: the job resumes
+        # from its last periodic checkpoint, as after any other fault
+        victim = job.worker(IGNORES_SIGTERM)
+        outcome = replaced_scenario(
             job,
-            "a launcher exits 101",
+            f"XID {WARNED_XID} on a worker whose trainer does not save on SIGTERM",
             victim,
-            lambda: _exit(job, victim, 101),
+            lambda: xid_on(job, victim, WARNED_XID),
         )
+        assert outcome.recovered is not None
+        assert outcome.recovered.steps_lost <= CHECKPOINT_EVERY, outcome.lines()
 
         # --- a launcher exits 1: kubelet restarts it in place
-        victim = job.worker(2)
+        victim = job.worker(0)
         fault_at = time.time()
         note = _exit(job, victim, 1)
         found = wait_resumed(job, fault_at, "an exit 1")
@@ -643,7 +667,33 @@ def test_training_keeps_going_through_faults(  # noqa: PLR0917 - fixtures
             for p in job.pods()
         ), "an in-place restart must not also be replaced"
 
+        # --- a warned fault while a PodDisruptionBudget allows no disruption: the pod stays and
+        # trains on until the budget allows one, then leaves as gracefully
+        out_of_its_streak(job, 0)
+        victim = job.worker(0)
+        refused_until_lifted(job, victim)
+        outcome = replaced_scenario(
+            job,
+            f"XID {WARNED_XID} held by a disruption budget, then the budget lifted",
+            victim,
+            lambda: _lift_budget(job),
+        )
+        assert outcome.recovered is not None
+        assert outcome.recovered.steps_lost == 0, outcome.lines()
+        _drop_budget(job)
+
+        # --- a launcher exits 101 (a policy code)
+        out_of_its_streak(job, 1)
+        victim = job.worker(1)
+        replaced_scenario(
+            job,
+            "a launcher exits 101",
+            victim,
+            lambda: _exit(job, victim, 101),
+        )
+
         # --- a worker pod force-deleted -----------------------------------------------------------
+        out_of_its_streak(job, 2)
         victim = job.worker(2)
         replaced_scenario(
             job,
@@ -653,6 +703,7 @@ def test_training_keeps_going_through_faults(  # noqa: PLR0917 - fixtures
         )
 
         # --- a node dies
+        out_of_its_streak(job, 0)
         victim = job.worker(0)
         dead = victim.spec.node_name
         replaced_scenario(
@@ -691,6 +742,105 @@ def test_training_keeps_going_through_faults(  # noqa: PLR0917 - fixtures
             Path(figures).write_text(json.dumps(job.timelines, indent=2) + "\n")
         for pod in job.pods():
             k8s.core.delete_namespaced_pod(pod.metadata.name, ns, grace_period_seconds=0)
+
+
+BUDGET = f"{JOB}-workers"
+
+
+def out_of_its_streak(job: Job, index: int) -> None:
+    """Wait until worker `index`'s last restart is older than the policy's restartTimeLimit. A
+    restart within it is one more in a row, which the policy backs off (its guard against a
+    crash loop): the scenario would measure that wait, not the way back."""
+    limit = policy_body(job.k8s.namespace)["spec"]["restartTimeLimit"]
+    objects = client.CustomObjectsApi(job.k8s.api)
+
+    def since_last() -> float:
+        policy = objects.get_namespaced_custom_object(
+            GROUP, VERSION, job.k8s.namespace, PLURAL, JOB
+        )
+        times = [
+            moment.timestamp()
+            for entry in (policy.get("status") or {}).get("jobs") or []
+            for last in entry.get("lastRestarts") or []
+            if last.get("slot") == str(index)
+            and (moment := parse_time(last.get("time"))) is not None
+        ]
+        return time.time() - max(times, default=0.0)
+
+    wait_for(f"worker {index}'s restarts no longer in a row", since_last, lambda s: s > limit, 90)
+
+
+def refused_until_lifted(job: Job, victim: Any) -> None:
+    """A PodDisruptionBudget that keeps every worker (minAvailable 3) is in force when the GPU of
+    `victim` turns Degraded: the eviction is refused, told by an Event, and the pod trains on
+    with no copy beside it."""
+    k8s = job.k8s
+    budgets = client.PolicyV1Api(k8s.api)
+    budgets.create_namespaced_pod_disruption_budget(
+        k8s.namespace,
+        {
+            "apiVersion": "policy/v1",
+            "kind": "PodDisruptionBudget",
+            "metadata": {"name": BUDGET},
+            "spec": {
+                "minAvailable": WORLD,
+                "selector": {"matchLabels": {f"{POOL_LABEL}-job": JOB}},
+            },
+        },
+    )
+
+    def computed() -> Any:
+        return budgets.read_namespaced_pod_disruption_budget(BUDGET, k8s.namespace)
+
+    wait_for(
+        "the budget's status (no disruption allowed)",
+        computed,
+        lambda b: (
+            b.status is not None
+            and b.status.observed_generation == b.metadata.generation
+            and b.status.current_healthy == WORLD
+            and b.status.disruptions_allowed == 0
+        ),
+        timeout=30,
+    )
+    fault_at = time.time()
+    xid_on(job, victim, WARNED_XID)
+    name = victim.metadata.name
+
+    def refusals() -> list[Any]:
+        return list(
+            k8s.core.list_namespaced_event(
+                k8s.namespace,
+                field_selector=f"involvedObject.name={name},reason=EvictionRefused",
+            ).items
+        )
+
+    wait_for("the refusal's Event", refusals, bool, timeout=30)
+    still = k8s.read_pod(name)
+    assert still.metadata.deletion_timestamp is None, "the budget must hold the pod"
+    assert not any(
+        (p.metadata.annotations or {}).get(REPLACES_ANNOTATION) == name for p in job.pods()
+    ), "no second copy while the budget holds"
+    since = wait_for(
+        "steps since the fault",
+        lambda: [r for r in job.logs.reports() if r.event == "step" and r.t > fault_at],
+        bool,
+        timeout=30,
+    )
+    assert {r.world for r in since} == {WORLD}, "training goes on at full size"
+
+
+def _lift_budget(job: Job) -> str:
+    client.PolicyV1Api(job.k8s.api).patch_namespaced_pod_disruption_budget(
+        BUDGET, job.k8s.namespace, {"spec": {"minAvailable": WORLD - 1}}, _content_type=MERGE
+    )
+    return f"budget {BUDGET} lifted to minAvailable {WORLD - 1}"
+
+
+def _drop_budget(job: Job) -> None:
+    client.PolicyV1Api(job.k8s.api).delete_namespaced_pod_disruption_budget(
+        BUDGET, job.k8s.namespace
+    )
 
 
 def _exit(job: Job, pod: Any, code: int) -> str:

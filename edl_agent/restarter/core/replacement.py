@@ -3,7 +3,13 @@ client). A bare pod is created again under a new name, `<base>-r<count>`, with t
 (but those on the drop list), annotations and spec without the node binding, the restart count
 in annotation `edl.io/restart-count` and env `EDL_RESTART_COUNT` of every container, and for
 node and device faults a required node affinity away from the failed node. The name depends
-only on the count, so a retried replacement finds its pod already there."""
+only on the count, so a retried replacement finds its pod already there.
+
+A replacement avoids one node at most: the last one a fault was found on (annotation
+`edl.io/avoided-node`). Avoiding every node its predecessors failed on would, in a pool of a
+few nodes, leave a job's replacement with nowhere to go after a fault on each; a node that
+failed before and still is bad is kept out by the agent (its devices withdrawn) or by
+Kubernetes (NotReady, tainted)."""
 
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ RESTARTER = "edl-restarter"
 RESTART_COUNT_ANNOTATION = "edl.io/restart-count"
 BASE_NAME_ANNOTATION = "edl.io/base-name"
 REPLACES_ANNOTATION = "edl.io/replaces"
+AVOIDED_NODE_ANNOTATION = "edl.io/avoided-node"
 RESTART_COUNT_ENV = "EDL_RESTART_COUNT"
 NODE_FAULTS = frozenset({FaultKind.NODE_NOT_READY, FaultKind.DEVICE_UNHEALTHY})
 MAX_BASE = 240
@@ -65,27 +72,67 @@ def replacement_pod(
         for container in spec.get(key) or []:
             env = [e for e in container.get("env") or [] if e.get("name") != RESTART_COUNT_ENV]
             container["env"] = [*env, {"name": RESTART_COUNT_ENV, "value": str(count)}]
-    if avoid_node:
-        _avoid(spec, avoid_node)
+    if avoid_node and avoid_node != annotations.get(AVOIDED_NODE_ANNOTATION):
+        _forget(spec, annotations.pop(AVOIDED_NODE_ANNOTATION, ""))
+        if _avoid(spec, avoid_node):
+            annotations[AVOIDED_NODE_ANNOTATION] = avoid_node
     return {"apiVersion": "v1", "kind": "Pod", "metadata": new_meta, "spec": spec}
 
 
-def _avoid(spec: dict[str, Any], node: str) -> None:
-    """Add `metadata.name NotIn [node]` to every required node selector term (they are ORed).
+def _avoid(spec: dict[str, Any], node: str) -> bool:
+    """Add `metadata.name NotIn [node]` to every required node selector term (they are ORed);
+    whether any term lacked it (the pod's own affinity may avoid that node already).
 
-    The API server takes exactly one value in a `metadata.name` field requirement, so a pod that
-    avoids a second node gets a second requirement (the requirements of a term are ANDed)."""
+    The API server takes exactly one value in a `metadata.name` field requirement, so a pod's
+    own requirements stay as they are and ours is one more (the requirements of a term are
+    ANDed)."""
     affinity = spec.setdefault("affinity", {})
     node_affinity = affinity.setdefault("nodeAffinity", {})
     required = node_affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
     terms = required.setdefault("nodeSelectorTerms", [])
     if not terms:
         terms.append({})
-    avoided = {"key": "metadata.name", "operator": "NotIn", "values": [node]}
+    avoided = _requirement(node)
+    added = False
     for term in terms:
         fields = term.setdefault("matchFields", [])
         if avoided not in fields:
             fields.append(dict(avoided))
+            added = True
+    return added
+
+
+def _forget(spec: dict[str, Any], node: str) -> None:
+    """Take out the requirement `_avoid(spec, node)` added, and what it made and left empty (an
+    empty node selector term would match no node)."""
+    if not node:
+        return
+    affinity = spec.get("affinity") or {}
+    node_affinity = affinity.get("nodeAffinity") or {}
+    required = node_affinity.get("requiredDuringSchedulingIgnoredDuringExecution") or {}
+    avoided = _requirement(node)
+    terms = []
+    for term in required.get("nodeSelectorTerms") or []:
+        fields = [f for f in term.get("matchFields") or [] if f != avoided]
+        kept = {k: v for k, v in term.items() if k != "matchFields"}
+        if fields:
+            kept["matchFields"] = fields
+        if kept:
+            terms.append(kept)
+    for parent, key, value in (
+        (required, "nodeSelectorTerms", terms),
+        (node_affinity, "requiredDuringSchedulingIgnoredDuringExecution", required),
+        (affinity, "nodeAffinity", node_affinity),
+        (spec, "affinity", affinity),
+    ):
+        if value:
+            parent[key] = value
+        else:
+            parent.pop(key, None)
+
+
+def _requirement(node: str) -> dict[str, Any]:
+    return {"key": "metadata.name", "operator": "NotIn", "values": [node]}
 
 
 def _int(text: str | None) -> int:
