@@ -430,7 +430,8 @@ def test_the_part_writes_on_a_poke_and_retries_a_failed_call() -> None:
         wait_for("the first write", lambda: writer.writes, lambda n: n == 1)
         assert writer.failures == 2
         conditions["ascend-npu0"] = fault("NPU_HEALTH_ALARM")
-        writer.poke_event.set()  # as the hub's subscription does
+        state.set_unhealthy({"ascend-npu0"})  # as the hub does with a new condition...
+        writer.poke_event.set()  # ...and its subscription
         wait_for("the second write", lambda: writer.writes, lambda n: n == 2)
     lists = api.config(NAME)["DeviceInfo"]["DeviceList"]
     assert lists["huawei.com/Ascend910-Unhealthy"] == "Ascend910-0"

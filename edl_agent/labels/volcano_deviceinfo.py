@@ -114,8 +114,8 @@ def npu_report(
     overrides: Mapping[str, str] | None = None,
 ) -> NpuReport | None:
     """The report for the node's Ascend NPUs (None without any): `unhealthy` are the ids of the
-    devices withdrawn (unhealthy or degraded), `conditions` the hub's worst condition per such
-    device, `overrides` `health.ascend_code_levels`."""
+    devices withdrawn (unhealthy or degraded: only these are listed so), `conditions` the hub's
+    worst condition per such device, `overrides` `health.ascend_code_levels`."""
     bad = set(unhealthy)
     groups: dict[str, list[tuple[str, Device]]] = {}
     for device in devices:
@@ -129,7 +129,7 @@ def npu_report(
     for resource, members in sorted(groups.items()):
         healthy, sick, faults = [], [], []
         for name, device in sorted(members, key=lambda member: member[1].index):
-            if device.id not in bad and device.id not in conditions:
+            if device.id not in bad:
                 healthy.append(name)
                 continue
             sick.append(name)

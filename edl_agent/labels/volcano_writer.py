@@ -136,11 +136,10 @@ class VolcanoDeviceInfo:
         return snapshot.version
 
     def _write_report(self, snapshot: Snapshot) -> None:
-        # Shadow mode withdraws nothing, so Volcano is told of no fault to act on.
         report = npu_report(
             devices=snapshot.inventory.devices,
             unhealthy=snapshot.withdrawn | snapshot.withdrawn_degraded,
-            conditions={} if snapshot.shadow else self._conditions(),
+            conditions=self._conditions(),
             prefix=self._prefix,
             overrides=self._overrides,
         )
