@@ -1,14 +1,18 @@
-"""Training through faults, measured: rounds of tests/cluster/test_training.py (a PaddlePaddle
-elastic job of 3 workers on 3 real kubelet v1.37 nodes with the agents, kube-scheduler,
-kube-controller-manager and the restarter; see that test's docstring), each fault's
-fault → replacement Running → training resumed at world size 3, read from the trainers' own logs.
+"""Training through faults, measured: rounds of the training tests (a PaddlePaddle elastic job of
+3 workers on 3 real kubelet v1.37 nodes with the agents, kube-scheduler, kube-controller-manager
+and the restarter; see each test's docstring), each fault's fault → replacement Running →
+training resumed at world size 3, read from the trainers' own logs. One stack a column: `bare`
+(tests/cluster/test_training.py: the workers are bare pods, as a gang scheduler or an operator
+makes them) and `jobset` (tests/cluster/test_training_jobset.py: deploy/examples'
+paddle-elastic-jobset.yaml, a JobSet admitted by Kueue, the workers an Indexed Job's pods).
 
-    .venv/bin/python bench/training_faults.py [--quick] [--rounds 3]
+    .venv/bin/python bench/training_faults.py [--quick] [--rounds 3] [--stacks bare,jobset]
 
-Prints per scenario `training_<scenario>_fault_to_training_resumed_p50 <s> s` (and the
-replacement's p50, and the steps lost at most) over the rounds. Full mode only: one round takes
-about 5 minutes on 2 cores; `--quick` prints nothing and exits 0. The baseline (the same XID
-with the restarter stopped) has no resumption to time: its note says what happened.
+Prints per stack and scenario `training_<stack>_<scenario>_fault_to_training_resumed_p50 <s> s`
+(and the replacement's p50, and the steps lost at most) over the rounds. Full mode only: one
+round takes about 5 minutes a stack on 2 cores; `--quick` prints nothing and exits 0. The
+baseline (the same XID with the restarter stopped) has no resumption to time: its note says what
+happened.
 
 The side by side is Kubernetes' own: without a restarter a pod on a dead node is evicted after
 the taint-based eviction's default 300 s toleration, and nothing replaces a bare pod at all.
@@ -33,18 +37,21 @@ from typing import Any
 from benchstats import run_test_for_figures
 
 REPO = Path(__file__).resolve().parent.parent
-TEST = "tests/cluster/test_training.py"
+STACKS = {
+    "bare": "tests/cluster/test_training.py::test_training_keeps_going_through_faults",
+    "jobset": "tests/cluster/test_training_jobset.py",
+}
 
 
 def slug(scenario: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", scenario.lower()).strip("_")[:40]
 
 
-def one_round(number: int) -> list[dict[str, Any]]:
+def one_round(number: int, stack: str) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="edl-training-bench-") as scratch:
         figures = Path(scratch) / "figures.json"
         env = {**os.environ, "TRAINING_FIGURES_FILE": str(figures)}
-        run_test_for_figures(REPO, TEST, env, f"training_faults round {number}")
+        run_test_for_figures(REPO, STACKS[stack], env, f"training_faults {stack} round {number}")
         if not figures.exists():
             raise SystemExit(1)
         rounds: list[dict[str, Any]] = json.loads(figures.read_text())
@@ -55,18 +62,30 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="print nothing (full mode only)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the whole job (3)")
+    parser.add_argument(
+        "--stacks",
+        default=",".join(STACKS),
+        help=f"the stacks to run, comma-separated, of {', '.join(STACKS)} (all)",
+    )
     args = parser.parse_args()
+    stacks = [s for s in args.stacks.split(",") if s]
+    unknown = sorted(set(stacks) - set(STACKS))
+    if unknown or not stacks:
+        parser.error(f"unknown stack {', '.join(unknown)} (choose from {', '.join(STACKS)})")
     if args.quick:
         print("[training_faults] full mode only", file=sys.stderr)
         return 0
     if subprocess.run([str(REPO / "scripts" / "trainer-env")], check=False).returncode != 0:
         return 3
-    by_scenario: dict[str, list[dict[str, Any]]] = {}
+    by_scenario: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for number in range(1, args.rounds + 1):
-        for figure in one_round(number):
-            by_scenario.setdefault(str(figure["scenario"]), []).append(figure)
-    for scenario, figures in by_scenario.items():
-        name = f"training_{slug(scenario)}"
+        for stack in stacks:
+            for figure in one_round(number, stack):
+                by_scenario.setdefault((stack, str(figure["scenario"])), []).append(figure)
+    for (stack, scenario), figures in by_scenario.items():
+        # A stack's test may name its scenarios after it ("JobSet: ..."): said once is enough.
+        bare = scenario.split(": ", 1)[1] if scenario.lower().startswith(f"{stack}: ") else scenario
+        name = f"training_{stack}_{slug(bare)}"
         for key, label in (
             ("fault_to_training_resumed_s", "fault_to_training_resumed_p50"),
             ("fault_to_replacement_running_s", "fault_to_replacement_running_p50"),

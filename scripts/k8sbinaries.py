@@ -47,6 +47,20 @@ KWOK_VERSION = "v0.8.0"
 # chart (apiVersion v2) is for the Helm most installations run, and Helm 4 reads it too.
 HELM_VERSION = "v3.22.0"
 HELM_MODULE = "helm.sh/helm/v3"
+# The training stack users submit to, beside kube-controller-manager in the kubelet tier
+# (scripts/jobstack.py starts them): JobSet's controller and Kueue's manager, each built in a
+# scratch module of its own (Kueue v0.17 requires JobSet v0.11.1: one module for both would lift
+# Kueue's to v0.12), with the CRDs and webhook configurations of the same module version copied
+# beside them as `<name>-manifests/`.
+JOBSET = "jobset-controller"
+JOBSET_VERSION = "v0.12.0"
+KUEUE = "kueue-manager"
+KUEUE_VERSION = "v0.17.0"
+# name: (module, version, main package)
+CONTROLLER_MODULES = {
+    JOBSET: ("sigs.k8s.io/jobset", JOBSET_VERSION, "sigs.k8s.io/jobset"),
+    KUEUE: ("sigs.k8s.io/kueue", KUEUE_VERSION, "sigs.k8s.io/kueue/cmd/kueue"),
+}
 
 # kube-scheduler binds the pods of end-to-end tests; kube-controller-manager runs the Job,
 # ResourceClaim, node-lifecycle and other controllers where a test opts in
@@ -62,7 +76,7 @@ KUBERNETES_COMMANDS = (
 FAKE_CRI = "edl-fake-cri"
 HELM = "helm"
 # Everything `scripts/k8s-binaries` provides when run without names (as scripts/test runs it).
-BINARIES = ("etcd", *KUBERNETES_COMMANDS, "kwok", FAKE_CRI, HELM)
+BINARIES = ("etcd", *KUBERNETES_COMMANDS, "kwok", FAKE_CRI, HELM, JOBSET, KUEUE)
 # What scripts/testcluster.py starts; the others are checked by the tests that use them.
 CONTROL_PLANE = ("etcd", "kube-apiserver", "kwok")
 
@@ -97,6 +111,8 @@ PINS = {
     "kwok": KWOK_VERSION,
     FAKE_CRI: _source_version(FAKE_CRI_SOURCE),
     HELM: HELM_VERSION,
+    JOBSET: JOBSET_VERSION,
+    KUEUE: KUEUE_VERSION,
 } | dict.fromkeys(KUBERNETES_COMMANDS, K8S_VERSION)
 GO_PROXY_DEFAULT = "https://proxy.golang.org"
 
@@ -144,8 +160,22 @@ def _from_kubebuilder_assets(name: str) -> Path | None:
 
 
 def find(name: str) -> Path | None:
-    """Where binary ``name`` is, without building anything."""
+    """Where binary ``name`` is, without building anything (a controller of
+    CONTROLLER_MODULES only with its manifests beside it)."""
+    if name in CONTROLLER_MODULES and manifests_dir(name) is None:
+        return None
     return _cached(bin_dir(), name) or _from_kubebuilder_assets(name)
+
+
+def manifests_dir(name: str) -> Path | None:
+    """The CRDs (``crd/*.yaml``) and webhook configurations (``webhook/``: the module's
+    ``manifests.yaml`` and its kustomization's patches) of controller ``name``, copied from its
+    module at the pinned version."""
+    path = bin_dir() / f"{name}-manifests"
+    stamp = path / ".version"
+    if stamp.is_file() and stamp.read_text().strip() == PINS[name]:
+        return path
+    return None
 
 
 def stages_file() -> Path | None:
@@ -485,12 +515,82 @@ def build_helm() -> Path:
     return _go_install(go, package, ldflags, work=work, what=what, name=HELM)
 
 
-BUILDERS: dict[str, Callable[[], Path]] = {
-    "etcd": build_etcd,
-    "kwok": build_kwok,
-    FAKE_CRI: build_fake_cri,
-    HELM: build_helm,
-} | {name: functools.partial(build_kubernetes_command, name) for name in KUBERNETES_COMMANDS}
+def _module_dir(go: str, module: str, version: str, work: Path) -> Path:
+    """Where the Go module cache keeps ``module``@``version``'s source (downloaded if needed)."""
+    result = subprocess.run(
+        [go, "mod", "download", "-json", f"{module}@{version}"],
+        cwd=work,
+        env={**_go_env(), "GO111MODULE": "on", "GOFLAGS": "-mod=mod"},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    try:
+        return Path(json.loads(result.stdout)["Dir"])
+    except (ValueError, KeyError) as exc:
+        raise BinariesError(
+            f"could not locate the source of {module}@{version} "
+            f"(`go mod download` said: {result.stderr.strip() or result.stdout.strip()})"
+        ) from exc
+
+
+def _copy_manifests(name: str, source: Path) -> Path:
+    """``config/components/crd/bases/*.yaml`` and ``config/components/webhook/`` of a
+    controller's module into ``<name>-manifests/``."""
+    target = bin_dir() / f"{name}-manifests"
+    shutil.rmtree(target, ignore_errors=True)
+    crds = sorted((source / "config" / "components" / "crd" / "bases").glob("*.yaml"))
+    webhook = source / "config" / "components" / "webhook"
+    if not crds or not (webhook / "manifests.yaml").is_file():
+        raise BinariesError(f"{source} lacks config/components/crd/bases or webhook/manifests.yaml")
+    (target / "crd").mkdir(parents=True)
+    for path in crds:
+        shutil.copyfile(path, target / "crd" / path.name)
+    shutil.copytree(webhook, target / "webhook")
+    for path in target.rglob("*"):  # the module cache's files are read-only
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    (target / ".version").write_text(PINS[name] + "\n")
+    return target
+
+
+def build_controller(name: str) -> Path:
+    """A controller of CONTROLLER_MODULES (JobSet's, Kueue's): `go get` its module at the pinned
+    version into a scratch module, `go build` its main package, copy its manifests."""
+    go = _go()
+    module, version, package = CONTROLLER_MODULES[name]
+    work = _scratch(name, version)
+    logfile = work / "build.log"
+    logfile.write_text("")
+    (work / "go.mod").write_text(f"module edl.local/build/{name}\n\ngo 1.26.0\n")
+    (work / "doc.go").write_text("package build\n")
+    what = f"{name} {version}"
+    # `go install module@version` reads the proxy's @v/list for deprecations, which some
+    # proxies refuse; `go get` then `go build` in a scratch module does not.
+    log(f"building {what} from the Go module proxy (3-6 min with cold Go caches; log {logfile})")
+    with heartbeat(what):
+        # The main package, not only the module: its imports' go.sum entries come with it.
+        run_logged([go, "get", f"{package}@{version}"], cwd=work, logfile=logfile, what=what)
+        ldflags = f"-s -w -X {module}/pkg/version.GitVersion={version}"
+        run_logged(
+            [go, "build", "-trimpath", "-ldflags", ldflags, "-o", name, package],
+            cwd=work,
+            logfile=logfile,
+            what=what,
+        )
+    _copy_manifests(name, _module_dir(go, module, version, work))
+    return _install(work / name, name)
+
+
+BUILDERS: dict[str, Callable[[], Path]] = (
+    {
+        "etcd": build_etcd,
+        "kwok": build_kwok,
+        FAKE_CRI: build_fake_cri,
+        HELM: build_helm,
+    }
+    | {name: functools.partial(build_kubernetes_command, name) for name in KUBERNETES_COMMANDS}
+    | {name: functools.partial(build_controller, name) for name in CONTROLLER_MODULES}
+)
 
 
 @contextlib.contextmanager
@@ -537,12 +637,14 @@ def main(argv: list[str] | None = None) -> int:
         description=(
             f"Provide etcd {ETCD_VERSION}, kube-apiserver, kube-scheduler, "
             f"kube-controller-manager, kubectl and kubelet "
-            f"{K8S_VERSION}, kwok {KWOK_VERSION} (plus kwok's stage files), helm {HELM_VERSION} "
+            f"{K8S_VERSION}, kwok {KWOK_VERSION} (plus kwok's stage files), helm {HELM_VERSION}, "
+            f"JobSet's controller {JOBSET_VERSION} and Kueue's manager {KUEUE_VERSION} (with their "
+            "CRDs and webhook configurations) "
             f"and our fake container runtime (scripts/fakecri) for the test control plane, "
             f"kubelet nodes and the Helm chart in {bin_dir()} (override with EDL_K8S_BIN_DIR; "
             "etcd, kube-apiserver and kubectl are also taken from $KUBEBUILDER_ASSETS). "
             "Missing ones are built from "
-            "the Go module proxy; the first build of all takes about 10 minutes on 2 cores."
+            "the Go module proxy; the first build of all takes about 20 minutes on 2 cores."
         ),
     )
     parser.add_argument(

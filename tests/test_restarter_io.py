@@ -16,6 +16,7 @@ from edl_agent.restarter.core.replacement import (
     BASE_NAME_ANNOTATION,
     RESTART_COUNT_ANNOTATION,
     RESTART_COUNT_ENV,
+    release_patch,
     replacement_pod,
 )
 
@@ -125,6 +126,41 @@ def test_a_force_delete_is_seen_after_in_place_restarts() -> None:
     }
     watcher.pod_event("DELETED", restarted)
     assert [f.kind for f in faults[1:]] == [FaultKind.POD_FORCE_DELETED]
+
+
+def test_a_force_delete_is_seen_while_a_finalizer_holds_the_pod() -> None:
+    """A Job's pod carries the Job's tracking finalizer: force-deleted, it stays until the Job
+    has counted it Failed. The fault is seen on the update that starts its deletion, while the
+    pod still runs; the same fault (one id) again when it is gone. A graceful delete is none."""
+    faults: list[Any] = []
+    watcher = ClusterWatcher(client.ApiClient(), on_fault=faults.append, clock=lambda: NOW)
+    held = pod()
+    held["metadata"]["finalizers"] = ["batch.kubernetes.io/job-tracking"]
+    watcher.pods_listed(None, [held])
+    graceful = {
+        **held,
+        "metadata": held["metadata"]
+        | {
+            "resourceVersion": "43",
+            "deletionTimestamp": "2026-05-01T12:00:30Z",
+            "deletionGracePeriodSeconds": 30,
+        },
+    }
+    watcher.pod_event("MODIFIED", graceful)
+    assert faults == []
+    forced = {
+        **held,
+        "metadata": held["metadata"]
+        | {
+            "resourceVersion": "44",
+            "deletionTimestamp": "2026-05-01T12:00:00Z",
+            "deletionGracePeriodSeconds": 0,
+        },
+    }
+    watcher.pod_event("MODIFIED", forced)
+    assert [f.kind for f in faults] == [FaultKind.POD_FORCE_DELETED]
+    watcher.pod_event("DELETED", forced)
+    assert {f.id for f in faults} == {faults[0].id}
 
 
 def test_the_replacement_keeps_the_pod_and_drops_its_binding() -> None:
@@ -248,3 +284,69 @@ def test_the_anti_affinity_is_added_to_every_existing_term() -> None:
         t["matchFields"] == [{"key": "metadata.name", "operator": "NotIn", "values": ["n1"]}]
         for t in got
     )
+
+
+def job_pod(*, owner: dict[str, Any] | None = None, **labels: str) -> dict[str, Any]:
+    body = pod()
+    body["metadata"]["labels"] = {"job-name": "mnist", **labels}
+    body["metadata"]["ownerReferences"] = [
+        owner
+        or {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "name": "mnist",
+            "uid": "job-uid",
+            "controller": True,
+        }
+    ]
+    return body
+
+
+def test_a_job_s_pod_is_released_by_the_labels_its_job_selects_it_by() -> None:
+    patch = release_patch(
+        job_pod(**{"batch.kubernetes.io/controller-uid": "job-uid", "controller-uid": "job-uid"})
+    )
+    assert patch == [
+        {"op": "test", "path": "/metadata/uid", "value": "u1"},
+        {"op": "remove", "path": "/metadata/labels/batch.kubernetes.io~1controller-uid"},
+        {"op": "remove", "path": "/metadata/labels/controller-uid"},
+    ]
+    # Only the labels that hold its Job's uid; the job-name label (our policies group by it) stays.
+    only_new = release_patch(job_pod(**{"batch.kubernetes.io/controller-uid": "job-uid"}))
+    assert only_new is not None
+    assert [op["path"] for op in only_new][1:] == [
+        "/metadata/labels/batch.kubernetes.io~1controller-uid"
+    ]
+
+
+def test_what_is_not_a_job_s_pod_by_its_uid_labels_is_never_released() -> None:
+    uid_labels = {"batch.kubernetes.io/controller-uid": "job-uid"}
+    # A manual selector: the Job selects its pods by labels of the user's, not its uid.
+    assert release_patch(job_pod(**{"batch.kubernetes.io/controller-uid": "other"})) is None
+    assert release_patch(job_pod()) is None
+    for owner in (
+        {
+            "apiVersion": "apps/v1",
+            "kind": "StatefulSet",
+            "name": "s",
+            "uid": "job-uid",
+            "controller": True,
+        },
+        {
+            "apiVersion": "apps/v1",
+            "kind": "ReplicaSet",
+            "name": "r",
+            "uid": "job-uid",
+            "controller": True,
+        },
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "name": "mnist",
+            "uid": "job-uid",
+        },  # not its controller
+    ):
+        assert release_patch(job_pod(owner=owner, **uid_labels)) is None, owner
+    bare = pod()
+    bare["metadata"]["labels"] = uid_labels
+    assert release_patch(bare) is None

@@ -71,3 +71,25 @@ def test_steps_made_after_the_fault_until_the_job_broke_up_count_as_lost() -> No
     found = recovery(parse(LOG), fault_at=12.0, world=3)
     assert found is not None
     assert (found.last_step_before, found.resumed_from, found.steps_lost) == (120, 100, 20)
+
+
+def test_only_the_formation_the_fault_hit_can_lose_steps() -> None:
+    """A second fault soon after the first: the job had resumed from checkpoint 100, behind the
+    120 it had reached before the first fault; what the second loses is counted from the steps
+    of that resumed formation only."""
+    second = "\n".join(
+        [
+            LOG,
+            line(31.0, "step", 3, 1, 160),
+            # The second fault at t=32; the job re-forms from checkpoint 150.
+            line(40.0, "start", 3, 0, 150),
+            line(41.0, "step", 3, 0, 160),
+        ]
+    )
+    found = recovery(parse(second), fault_at=32.0, world=3)
+    assert found is not None
+    assert (found.last_step_before, found.resumed_from, found.steps_lost) == (160, 150, 10)
+    before_it = "\n".join([LOG, line(40.0, "start", 3, 0, 100), line(41.0, "step", 3, 0, 110)])
+    again = recovery(parse(before_it), fault_at=32.0, world=3)
+    assert again is not None
+    assert again.steps_lost == 50  # 150, the newest of the formation it hit, back to 100

@@ -182,12 +182,18 @@ def start_scheduler(kubeconfig: Path, directory: Path, *, timeout: float = 60.0)
         "--v=2",
     ]
     process = spawn("kube-scheduler", argv, directory)
+    wait_started(process, lambda: _healthz(port) == OK, timeout)
+    return process
+
+
+def wait_started(process: Process, ready: Callable[[], bool], timeout: float) -> None:
+    """Until `ready()`; ProcessError with the end of its log, the process stopped, when it exits
+    first or is not ready within `timeout`."""
     deadline = time.monotonic() + timeout
-    while _healthz(port) != OK:
+    while not ready():
         if not process.alive() or time.monotonic() > deadline:
             code = process.popen.poll()
             process.stop()
-            why = f"exited with {code}" if code is not None else f"not healthy in {timeout:.0f}s"
-            raise ProcessError(f"kube-scheduler {why}; its log {process.log}:\n{tail(process.log)}")
+            why = f"exited with {code}" if code is not None else f"not ready in {timeout:.0f}s"
+            raise ProcessError(f"{process.name} {why}; its log {process.log}:\n{tail(process.log)}")
         time.sleep(0.2)
-    return process

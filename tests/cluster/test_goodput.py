@@ -18,14 +18,11 @@ from typing import Any
 import pytest
 import testcluster
 import testnode
-from k8s_test_helpers import KwokCluster, wait_for
+from k8s_test_helpers import KwokCluster
 from scheduler import Process
 from test_e2e import processes  # noqa: F401 - a fixture
 from test_training import (  # fixtures too: pytest finds them among the module's names
-    PROGRESS_STEPS,
-    STARTUP,
     WARNED_XID,
-    WORLD,
     XID,
     Job,
     _exit,
@@ -36,11 +33,11 @@ from test_training import (  # fixtures too: pytest finds them among the module'
     policy_crd,  # noqa: F401
     start_job,
     trainer_python,  # noqa: F401
+    training_at_full_size,
     xid_on,
 )
 
 from tests.training.goodput import Fault, step_time
-from tests.training.progress import progressing
 
 FIGURES = os.environ.get("GOODPUT_FIGURES_FILE", "")
 MINUTES = float(os.environ.get("GOODPUT_MINUTES", "20"))
@@ -62,12 +59,7 @@ def running_job(*args: Any, **kwargs: Any) -> tuple[Job, float]:
     """The job started and making progress at full size; the time progress was first seen."""
     started = time.time()
     job = start_job(*args, **kwargs)
-    wait_for(
-        f"training at world size {WORLD}",
-        job.logs.reports,
-        lambda reports: progressing(reports, WORLD, started, PROGRESS_STEPS),
-        timeout=STARTUP,
-    )
+    training_at_full_size(job, started)
     return job, time.time()
 
 

@@ -1,9 +1,10 @@
 """A Job's worker on a bad GPU, with the Job controller, real kubelets and real exit codes: the
-restarter's deletion carries DisruptionTarget, so a Job whose podFailurePolicy ignores
-disruptions (the rule Kubernetes documents for "don't count infrastructure failures") replaces
-the worker and keeps going; the same worker deleted plainly fails the whole Job, which is what
-the condition is for. An exit of a Job's worker is the Job's to count: the restarter leaves the
-pod (its logs, its exit code) alone.
+restarter deletes it with DisruptionTarget set and takes it out of its Job's selector, so the
+Job releases it and makes the next worker at once, counting no failure (left to the Job, the
+deleted worker would be one more failed pod, replaced only after the Job's failure backoff, and
+counted unless the Job's podFailurePolicy ignores disruptions). The same worker deleted plainly
+fails the whole Job, which is what the condition is for. An exit of a Job's worker is the Job's
+to count: the restarter leaves the pod (its logs, its exit code) alone.
 
 kube-controller-manager (Job controller) on a plane of its own, one kubelet v1.37 node whose
 runtime runs the pods' processes (a worker that SIGTERM ends exits 143, as a real one does), the
@@ -161,11 +162,18 @@ def test_a_job_worker_on_a_bad_gpu_is_replaced_by_its_job_which_goes_on(
     assert job_condition(k8s, "mnist", "Failed") is None
     job = client.BatchV1Api(k8s.api).read_namespaced_job("mnist", k8s.namespace)
     assert not job.status.failed, "an ignored disruption is not counted as a failure"
-    # The old worker went as a disruption: the condition the Job's policy matched, ours.
-    gone = [p for p in job_pods(k8s, "mnist") if p.metadata.uid == first.metadata.uid]
-    for pod in gone:  # it may already be removed; while it is there, it says why it went
+    # The old worker went as a disruption, released by its Job: no owner, no tracking finalizer.
+    old = [
+        p
+        for p in k8s.core.list_namespaced_pod(k8s.namespace, label_selector="job-name=mnist").items
+        if p.metadata.uid == first.metadata.uid
+    ]
+    for pod in old:  # it may already be removed; while it is there, it says why it went
         reasons = [c.reason for c in pod.status.conditions or [] if c.type == "DisruptionTarget"]
         assert reasons == [DISRUPTION_REASON]
+        assert not pod.metadata.owner_references, "the Job released it"
+        assert "batch.kubernetes.io/job-tracking" not in (pod.metadata.finalizers or [])
+        assert "batch.kubernetes.io/controller-uid" not in pod.metadata.labels
 
 
 def test_the_same_worker_deleted_without_the_condition_fails_the_job(

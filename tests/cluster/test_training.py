@@ -200,7 +200,9 @@ def policy_crd(k8s_managed: KwokCluster) -> None:
 
 @dataclass
 class Job:
-    """The training job and what its scenarios share."""
+    """The training job and what its scenarios share. Its pods are found by `selector` and told
+    apart by `index_label`; `owned`: a controller (a Job) makes each worker again, under a new
+    name with the same index, where the restarter replaces a bare pod by a named successor."""
 
     k8s: KwokCluster
     nodes: dict[str, testnode.Node]
@@ -209,22 +211,34 @@ class Job:
     logs: TrainerLogs
     workdir: Path
     timelines: list[dict[str, Any]] = field(default_factory=list)
+    selector: str = f"{POOL_LABEL}-job={JOB}"
+    index_label: str = "training.edl.io/replica-index"
+    policy: str = JOB
+    owned: bool = False
 
     def pods(self) -> list[Any]:
         """The job's live pods (not being deleted), by replica index."""
         listed = self.k8s.core.list_namespaced_pod(
-            self.k8s.namespace, label_selector=f"{POOL_LABEL}-job={JOB}"
+            self.k8s.namespace, label_selector=self.selector
         ).items
         return sorted(
             (p for p in listed if p.metadata.deletion_timestamp is None),
-            key=lambda p: p.metadata.labels["training.edl.io/replica-index"],
+            key=lambda p: p.metadata.labels[self.index_label],
         )
 
     def worker(self, index: int) -> Any:
-        return next(
-            p
+        return next(p for p in self.pods() if p.metadata.labels[self.index_label] == str(index))
+
+    def successor_running(self, victim: Any) -> bool:
+        """The worker that takes `victim`'s place is Running."""
+        if not self.owned:
+            return replacement_running(self, victim.metadata.name)
+        index = victim.metadata.labels[self.index_label]
+        return any(
+            p.metadata.labels.get(self.index_label) == index
+            and p.metadata.uid != victim.metadata.uid
+            and p.status.phase == "Running"
             for p in self.pods()
-            if p.metadata.labels["training.edl.io/replica-index"] == str(index)
         )
 
 
@@ -421,6 +435,16 @@ def report(job: Job, outcome: Outcome) -> None:
     job.timelines.append(outcome.figures())
 
 
+def training_at_full_size(job: Job, since: float) -> None:
+    """Until the trainers report steps at world size WORLD made after `since`."""
+    wait_for(
+        f"training at world size {WORLD}",
+        job.logs.reports,
+        lambda reports: progressing(reports, WORLD, since, PROGRESS_STEPS),
+        timeout=STARTUP,
+    )
+
+
 def wait_resumed(job: Job, fault_at: float, what: str) -> Recovery:
     found: Recovery = wait_for(
         f"training resumed at world size {WORLD} after {what}",
@@ -448,7 +472,7 @@ def replaced_scenario(job: Job, name: str, victim: Any, fault: Callable[[], str]
     seen: dict[str, Any] = {}
 
     def observe() -> bool:
-        if "running" not in seen and replacement_running(job, victim.metadata.name):
+        if "running" not in seen and job.successor_running(victim):
             seen["running"] = time.time()
         found = seen.get("resumed") or recovery(job.logs.reports(), fault_at, WORLD)
         if found is not None:
@@ -481,6 +505,24 @@ def xid_on(job: Job, pod: Any, code: int = XID) -> str:
 # --- the tests ----------------------------------------------------------------------------------
 
 
+def pool_of_nodes(
+    k8s: KwokCluster, kubelet_nodes: Callable[..., testnode.Node], tmp_path: Path
+) -> tuple[Path, dict[str, testnode.Node]]:
+    """The job's work directory (checkpoints, HOME) and its WORLD exec-mode kubelet nodes, each
+    labelled for the test's pool (the workers' nodeSelector)."""
+    workdir = tmp_path / "train"
+    (workdir / "checkpoints").mkdir(parents=True)
+    (workdir / "home").mkdir()
+    nodes = {}
+    for _ in range(WORLD):
+        node = kubelet_nodes(exec_mode=True)
+        k8s.core.patch_node(
+            node.name, {"metadata": {"labels": {POOL_LABEL: k8s.namespace}}}, _content_type=MERGE
+        )
+        nodes[node.name] = node
+    return workdir, nodes
+
+
 def start_job(
     k8s: KwokCluster,
     plane: testcluster.ControlPlane,
@@ -497,16 +539,7 @@ def start_job(
     worker created on each node (`steps`: see `worker_pod`; `ignoring_sigterm`: the indexes of
     the workers whose trainers do not save on SIGTERM)."""
     ns = k8s.namespace
-    workdir = tmp_path / "train"
-    (workdir / "checkpoints").mkdir(parents=True)
-    (workdir / "home").mkdir()
-    nodes = {}
-    for _ in range(WORLD):
-        node = kubelet_nodes(exec_mode=True)
-        k8s.core.patch_node(
-            node.name, {"metadata": {"labels": {POOL_LABEL: ns}}}, _content_type=MERGE
-        )
-        nodes[node.name] = node
+    workdir, nodes = pool_of_nodes(k8s, kubelet_nodes, tmp_path)
     restarter, agents = start_restarter_and_agents(k8s, plane, nodes, tmp_path, processes)
     objects = client.CustomObjectsApi(k8s.api)
     objects.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, policy_body(ns))
@@ -612,12 +645,7 @@ def test_training_keeps_going_through_faults(  # noqa: PLR0917 - fixtures
     restarter = job.restarter
 
     # --- training makes progress with world size 3 -------------------------------------------
-    wait_for(
-        f"training at world size {WORLD}",
-        logs.reports,
-        lambda reports: progressing(reports, WORLD, started, PROGRESS_STEPS),
-        timeout=STARTUP,
-    )
+    training_at_full_size(job, started)
 
     try:
         # The scenarios go round the workers, and each waits until its worker's last restart is
@@ -751,12 +779,14 @@ def out_of_its_streak(job: Job, index: int) -> None:
     """Wait until worker `index`'s last restart is older than the policy's restartTimeLimit. A
     restart within it is one more in a row, which the policy backs off (its guard against a
     crash loop): the scenario would measure that wait, not the way back."""
-    limit = policy_body(job.k8s.namespace)["spec"]["restartTimeLimit"]
     objects = client.CustomObjectsApi(job.k8s.api)
+    limit = objects.get_namespaced_custom_object(
+        GROUP, VERSION, job.k8s.namespace, PLURAL, job.policy
+    )["spec"]["restartTimeLimit"]
 
     def since_last() -> float:
         policy = objects.get_namespaced_custom_object(
-            GROUP, VERSION, job.k8s.namespace, PLURAL, JOB
+            GROUP, VERSION, job.k8s.namespace, PLURAL, job.policy
         )
         times = [
             moment.timestamp()

@@ -55,7 +55,7 @@ def parse(text: str, source: str = "") -> list[Report]:
 class Recovery:
     """How training went through a fault at `fault_at`."""
 
-    last_step_before: int  # the newest step any trainer reported before the job re-formed
+    last_step_before: int  # the newest step the formation the fault hit reported before it broke
     resumed_at: float  # first step at full size reported by a formation started after it
     resumed_from: int  # the checkpoint that formation started from
     world: int
@@ -78,7 +78,10 @@ def recovery(reports: Iterable[Report], fault_at: float, world: int) -> Recovery
     # Trainers may go on after the fault until the job breaks up (a pod being replaced stops
     # a moment later): their last steps before the first re-formation are what could be lost.
     broke_at = restarts[0].t
-    before = [r.step for r in ordered if r.event == "step" and r.t < broke_at]
+    # ... made by the formation the fault hit: steps of an earlier one (before an earlier fault
+    # and its resumption from an older checkpoint) were never this fault's to lose.
+    formed_at = max((r.t for r in ordered if r.event == "start" and r.t <= fault_at), default=0.0)
+    before = [r.step for r in ordered if r.event == "step" and formed_at <= r.t < broke_at]
     # The formation that made progress: the last start before the first full-size step after
     # the first start (earlier formations may have broken up again).
     first_start = starts[0].t

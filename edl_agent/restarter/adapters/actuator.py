@@ -11,6 +11,9 @@ spec without the node binding, the restart count in annotation `edl.io/restart-c
 affinity away from the failed node. The name depends only on the count, so a retried
 replacement finds its pod already there (AlreadyExists) instead of making a second. A pod a
 controller owns (a Job, a StatefulSet) is only deleted: its controller makes the replacement.
+A Job's pod is then also taken out of its Job's selector (`release`): the Job releases it and
+makes the next pod at once, where it would otherwise wait for the pod to end and for its failure
+backoff (10 s and more), and count a failure; not while the pod waits for its cut-off node.
 
 A graceful restart (a Graceful rule) evicts the pod through the Eviction API instead of deleting
 it: its own termination grace applies, PodDisruptionBudgets hold (a refusal, 429, is
@@ -41,6 +44,7 @@ from edl_agent.restarter.core.replacement import (
     REPLACES_UID_ANNOTATION,
     RESTART_COUNT_ANNOTATION,
     RESTART_COUNT_ENV,
+    release_patch,
     replacement_pod,
 )
 from edl_agent.restarter.core.settings import DEFAULT_DROP_LABELS
@@ -143,23 +147,29 @@ class Actuator:
         force: bool,
         why: str = "",
         graceful: bool = False,
+        release: bool = True,
     ) -> Replacement:
         """Create the replacement of `pod` (unless a controller owns it), then delete `pod`.
 
         Creating first means that whenever this stops half way, `pod` is still there to be
         replaced again, and doing so finds the replacement made already. `graceful`: evict
-        `pod` first (see the module)."""
+        `pod` first (see the module). `release`: a Job's pod, once deleted or evicted, is also
+        taken out of its Job's selector, so the Job replaces it at once (`release_patch`)."""
         meta = pod["metadata"]
         namespace, name = meta["namespace"], meta["name"]
         if graceful:
             self.evict(pod)
             if controller_owned(pod):
+                if release:
+                    self.release(pod)
                 log.info("evicted a controller-owned pod", pod=f"{namespace}/{name}")
                 return Replacement(name, None, False)
         elif controller_owned(pod):
             # An exit is the pod's own failure, not a disruption: the pod ended already.
             exited = fault_kind is FaultKind.CONTAINER_EXIT
             self.delete(pod, force=force, disruption=None if exited else why or str(fault_kind))
+            if release and not exited:
+                self.release(pod)
             log.info("deleted a controller-owned pod", pod=f"{namespace}/{name}", force=force)
             return Replacement(name, None, force)
         avoid = failed_node if fault_kind in NODE_FAULTS and failed_node else None
@@ -211,6 +221,31 @@ class Actuator:
             if exc.status not in (NOT_FOUND, CONFLICT, UNPROCESSABLE):
                 raise
             log.info("pod already gone or replaced; left alone", pod=f"{namespace}/{name}", uid=uid)
+
+    def release(self, pod: Mapping[str, Any]) -> None:
+        """Take a Job's pod (deleted or evicted already) out of its Job's selector; nothing for
+        a pod no Job owns by its uid labels, or one gone or replaced meanwhile."""
+        patch = release_patch(pod)
+        if patch is None:
+            return
+        meta = pod["metadata"]
+        self._on_write("release")
+        try:
+            _call(
+                self._core.patch_namespaced_pod,
+                meta["name"],
+                meta["namespace"],
+                patch,
+                _content_type="application/json-patch+json",
+            )
+        except ApiError as exc:
+            # Gone (404), another pod by that name (the uid test: 422), or the labels removed
+            # already (422): the Job has what it needs either way.
+            if exc.status not in (NOT_FOUND, CONFLICT, UNPROCESSABLE):
+                raise
+            log.info("pod not released: gone or released already", pod=meta["name"])
+        else:
+            log.info("released a Job's pod for its Job to replace", pod=meta["name"])
 
     def evict(self, pod: Mapping[str, Any]) -> None:
         """Evict `pod` if it is still the pod of that uid, with its own grace period;

@@ -303,9 +303,11 @@ class ClusterWatcher:
         evicted = eviction_fault(pod, now=now, source=SOURCE)
         if evicted is not None:
             faults.append(evicted)
-        # Gone with grace 0 while it could still run: whatever exits kubelet restarted it from
-        # before (faults of their own, decided already), nothing runs it any more.
-        if deleted and evicted is None:
+        # Deleted with grace 0 while it could still run: whatever exits kubelet restarted it from
+        # before (faults of their own, decided already), nothing runs it any more. Seen when it
+        # is gone, or before, while a finalizer holds it (a Job's pods carry one): by the time
+        # it is gone it has ended Failed, and its Job has counted that failure.
+        if evicted is None:
             forced = force_deletion_fault(pod, now=now, source=SOURCE)
             if forced is not None:
                 faults.append(forced)

@@ -171,6 +171,7 @@ class InMemoryCluster:
         force: bool,
         why: str = "",
         graceful: bool = False,
+        release: bool = True,
     ) -> Replacement:
         meta = pod["metadata"]
         avoid = failed_node if fault_kind in NODE_FAULTS and failed_node else None

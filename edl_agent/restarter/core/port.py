@@ -54,10 +54,13 @@ class ClusterPort(Protocol):
         force: bool,
         why: str = "",
         graceful: bool = False,
+        release: bool = True,
     ) -> Replacement:
         """Create the replacement of `pod` (its name fixed by the restart count, so a second
         try finds the first), then delete `pod` (conditional on its uid). A pod a controller
-        owns is only deleted, marked DisruptionTarget first with `why` (the fault).
+        owns is only deleted, marked DisruptionTarget first with `why` (the fault); a Job's pod
+        is then taken out of its Job's selector unless `release` is False (it waits for its
+        node), so that the Job replaces it without waiting for its end and its backoff.
 
         `graceful`: `pod` is evicted through the Eviction API instead, with its own grace, and
         only then replaced (a bare pod); `EvictionRefused` when a disruption budget says not

@@ -140,3 +140,37 @@ def _int(text: str | None) -> int:
         return max(0, int(text or 0))
     except ValueError:
         return 0
+
+
+# The labels a Job's own selector matches its pods by (the current one and the older one Jobs
+# still stamp): both hold the Job's uid.
+JOB_UID_LABELS = ("batch.kubernetes.io/controller-uid", "controller-uid")
+
+
+def release_patch(pod: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    """A JSON patch that takes a Job's pod out of its Job's selector (None for a pod no Job
+    owns, or one whose Job selects it by other labels: a manual selector).
+
+    The Job controller then releases the pod (drops its owner reference and tracking finalizer)
+    and creates the replacement at once. Left to the Job, a pod the restarter deleted becomes one
+    more failed pod: the Job waits for it to end, then for its failure backoff (10 s after the
+    first failure, doubling with each in a row, for ignored failures too) before it makes the
+    next. The patch is conditional on the pod's uid."""
+    meta = pod.get("metadata") or {}
+    owner = next((r for r in meta.get("ownerReferences") or [] if r.get("controller")), None)
+    if owner is None or owner.get("kind") != "Job" or owner.get("apiVersion") != "batch/v1":
+        return None
+    labels = meta.get("labels") or {}
+    keys = [key for key in JOB_UID_LABELS if owner.get("uid") and labels.get(key) == owner["uid"]]
+    if not keys or not meta.get("uid"):
+        return None
+    return [
+        {"op": "test", "path": "/metadata/uid", "value": meta["uid"]},
+        *(
+            {
+                "op": "remove",
+                "path": "/metadata/labels/" + key.replace("~", "~0").replace("/", "~1"),
+            }
+            for key in keys
+        ),
+    ]

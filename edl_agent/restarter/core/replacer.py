@@ -145,13 +145,15 @@ class Replacer:
                     or (pending.fault is FaultKind.NODE_NOT_READY and node == pending.node)
                 )
             )
-            if force and must_wait(pod, pending) and not pods.node_gone(node):
+            fenced = force and must_wait(pod, pending) and not pods.node_gone(node)
+            if fenced:
                 if not controller_owned(pod):
                     self._fence_waits(pending, ref, node)
                     return  # looked at again with the recorded restarts, until the node is gone
-                # Deleted gracefully: it stays Terminating while its node is cut off, and its
-                # controller makes no second copy until the pod is gone (Kubernetes' own
-                # garbage collection removes it once the node is deleted or out of service).
+                # Deleted gracefully and left to its controller: it stays Terminating while its
+                # node is cut off, and its controller makes no second copy until the pod is gone
+                # (Kubernetes' own garbage collection removes it once the node is deleted or out
+                # of service).
                 force = False
                 self._fence_waits(pending, ref, node)
             self._port.replace(
@@ -161,6 +163,7 @@ class Replacer:
                 force=force,
                 why=disruption_message(pending),
                 graceful=pending.graceful,
+                release=not fenced,
             )
         except EvictionRefused as exc:
             self._eviction_waits(pending, ref, str(exc))
