@@ -80,7 +80,8 @@ class Actuator:
     ) -> None:
         """`before_delete(uid)` runs before each deletion (the watcher's `ignore_uid`);
         `drop_labels`: the labels replacements do not get (None: `DEFAULT_DROP_LABELS`);
-        `on_write(what)` counts each write (`status`, `create`, `disruption`, `delete`)."""
+        `on_write(what)` counts each write (`status`, `create`, `disruption`, `delete`,
+        `evict`, `release`)."""
         self._on_write = on_write
         self._core: Any = client.CoreV1Api(api)
         self._objects: Any = client.CustomObjectsApi(api)

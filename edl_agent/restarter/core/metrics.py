@@ -7,7 +7,7 @@ edl_restarter_replacement_errors_total            replacements the API refused
 edl_restarter_node_waits_total                    pods whose replacement waits for their node
 edl_restarter_evictions_refused_total             graceful evictions a disruption budget refused
 edl_restarter_api_writes_total{what}              writes made: status, create, disruption,
-                                                  delete, evict
+                                                  delete, evict, release
 edl_restarter_intake_faults_total{outcome}        reported faults: accepted, duplicate, deferred
 edl_restarter_intake_refusals_total{reason}       reports refused (token, account, node),
                                                   connections refused (too many)
@@ -99,7 +99,8 @@ class RestarterMetrics:
         self.api_writes = Counter(
             "edl_restarter_api_writes",
             "Writes the restarter made to the API: a policy's status, a replacement created, "
-            "a controller-owned pod marked DisruptionTarget, a pod deleted, a pod evicted.",
+            "a controller-owned pod marked DisruptionTarget, a pod deleted, a pod evicted, a "
+            "Job's pod released from its Job.",
             ["what"],
             registry=r,
         )
