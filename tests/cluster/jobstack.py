@@ -260,7 +260,7 @@ def _start(
     assert binary is not None
     install_crds(api, name)
     directory.mkdir(parents=True, exist_ok=True)
-    _serving_cert_dir(plane, directory)
+    certs = _serving_cert_dir(plane, directory)
     webhook_port, health_port = free_port(), free_port()
     config = {
         **config,
@@ -269,14 +269,13 @@ def _start(
         "webhook": {
             "port": webhook_port,
             "host": LOOPBACK,
-            "certDir": str(directory / "certs"),
+            "certDir": str(certs),
         },
         "metrics": {"bindAddress": "0"},
         "health": {"healthProbeBindAddress": f"{LOOPBACK}:{health_port}"},
     }
     config_file = directory / "config.yaml"
     config_file.write_text(yaml.safe_dump(config))
-    certs = directory / "certs"
     argv = [str(binary), f"--config={config_file}", f"--kubeconfig={plane.kubeconfig}"]
     if metrics_certs:
         argv = _with_certs_at(metrics_certs, certs, directory, argv)
