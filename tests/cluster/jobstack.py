@@ -339,6 +339,26 @@ def start_kueue(
     )
 
 
+def start_stack(
+    plane: testcluster.ControlPlane, api: client.ApiClient, directory: Path
+) -> list[Controller]:
+    """JobSet's controller, then Kueue's manager (under `directory`/jobset and /kueue), both
+    running when this returns; ProcessError, with what had started stopped, when one cannot."""
+    started: list[Controller] = []
+    try:
+        started.append(start_jobset(plane, api, directory / "jobset"))
+        started.append(start_kueue(plane, api, directory / "kueue"))
+    except BaseException:
+        stop_stack(started)
+        raise
+    return started
+
+
+def stop_stack(controllers: list[Controller]) -> None:
+    for controller in reversed(controllers):
+        controller.stop()
+
+
 # --- Kueue's objects --------------------------------------------------------------------------
 
 KUEUE_GROUP, KUEUE_VERSION_API = "kueue.x-k8s.io", "v1beta2"

@@ -34,22 +34,14 @@ def stack(
     k8s_managed_api_client: client.ApiClient,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[None]:
-    directory = tmp_path_factory.mktemp("job-stack")
-    started: list[jobstack.Controller] = []
     try:
-        started.append(
-            jobstack.start_jobset(k8s_managed_plane, k8s_managed_api_client, directory / "jobset")
-        )
-        started.append(
-            jobstack.start_kueue(k8s_managed_plane, k8s_managed_api_client, directory / "kueue")
+        started = jobstack.start_stack(
+            k8s_managed_plane, k8s_managed_api_client, tmp_path_factory.mktemp("job-stack")
         )
     except ProcessError as exc:
-        for controller in started:
-            controller.stop()
         pytest.fail(str(exc), pytrace=False)
     yield
-    for controller in reversed(started):
-        controller.stop()
+    jobstack.stop_stack(started)
 
 
 def jobset(name: str, *, workers: int, queue: str | None = None) -> dict[str, Any]:
@@ -101,6 +93,21 @@ def create_jobset(k8s: KwokCluster, body: dict[str, Any]) -> None:
     client.CustomObjectsApi(k8s.api).create_namespaced_custom_object(
         JOBSET_GROUP, JOBSET_VERSION, k8s.namespace, "jobsets", body
     )
+
+
+def delete_jobsets(k8s: KwokCluster, *names: str) -> None:
+    """Delete these JobSets (their Jobs and pods in the background); one already gone is fine."""
+    objects = client.CustomObjectsApi(k8s.api)
+    for name in names:
+        with contextlib.suppress(client.ApiException):
+            objects.delete_namespaced_custom_object(
+                JOBSET_GROUP,
+                JOBSET_VERSION,
+                k8s.namespace,
+                "jobsets",
+                name,
+                propagation_policy="Background",
+            )
 
 
 def jobs_of(k8s: KwokCluster, name: str) -> list[Any]:
@@ -172,10 +179,5 @@ def test_kueue_admits_a_jobset_within_quota_and_holds_the_one_over_it(
             STEP,
         )
     finally:
-        objects = client.CustomObjectsApi(k8s.api)
-        for name in ("first", "second"):
-            with contextlib.suppress(client.ApiException):
-                objects.delete_namespaced_custom_object(
-                    JOBSET_GROUP, JOBSET_VERSION, k8s.namespace, "jobsets", name
-                )
+        delete_jobsets(k8s, "first", "second")
         jobstack.remove_queue(k8s.api, QUEUE)

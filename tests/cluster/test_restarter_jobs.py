@@ -23,7 +23,7 @@ import testcluster
 import testnode
 from k8s_test_helpers import GPU_RESOURCE, KwokCluster, wait_for
 from kubelet_helpers import pod_devices
-from kubernetes import client
+from kubernetes import client, watch
 from scheduler import Process
 from test_e2e import processes
 from test_restarter import GROUP, PLURAL, VERSION
@@ -162,18 +162,46 @@ def test_a_job_worker_on_a_bad_gpu_is_replaced_by_its_job_which_goes_on(
     assert job_condition(k8s, "mnist", "Failed") is None
     job = client.BatchV1Api(k8s.api).read_namespaced_job("mnist", k8s.namespace)
     assert not job.status.failed, "an ignored disruption is not counted as a failure"
-    # The old worker went as a disruption, released by its Job: no owner, no tracking finalizer.
-    old = [
-        p
-        for p in k8s.core.list_namespaced_pod(k8s.namespace, label_selector="job-name=mnist").items
-        if p.metadata.uid == first.metadata.uid
-    ]
-    for pod in old:  # it may already be removed; while it is there, it says why it went
+    # The old worker went as a disruption and was released by its Job before it was gone: no
+    # owner, no tracking finalizer, no uid label (left to the Job it would keep all three until
+    # the Job had counted it and waited its backoff).
+    versions = versions_until_gone(k8s, first)
+    assert versions, "the old worker's updates since the fault"
+    for pod in versions:
         reasons = [c.reason for c in pod.status.conditions or [] if c.type == "DisruptionTarget"]
-        assert reasons == [DISRUPTION_REASON]
-        assert not pod.metadata.owner_references, "the Job released it"
-        assert "batch.kubernetes.io/job-tracking" not in (pod.metadata.finalizers or [])
-        assert "batch.kubernetes.io/controller-uid" not in pod.metadata.labels
+        assert reasons in ([], [DISRUPTION_REASON])
+    released = [
+        pod
+        for pod in versions
+        if not pod.metadata.owner_references
+        and "batch.kubernetes.io/job-tracking" not in (pod.metadata.finalizers or [])
+        and "batch.kubernetes.io/controller-uid" not in (pod.metadata.labels or {})
+    ]
+    assert released, "the Job released the old worker"
+    assert [
+        c.reason for c in released[0].status.conditions or [] if c.type == "DisruptionTarget"
+    ] == [DISRUPTION_REASON]
+
+
+def versions_until_gone(k8s: KwokCluster, pod: Any) -> list[Any]:
+    """Every version of `pod` the API server kept since `pod` was read, up to its deletion (a
+    watch from its resourceVersion replays them all)."""
+    seen = []
+    stream = watch.Watch()
+    for event in stream.stream(
+        k8s.core.list_namespaced_pod,
+        k8s.namespace,
+        field_selector=f"metadata.name={pod.metadata.name}",
+        resource_version=pod.metadata.resource_version,
+        timeout_seconds=int(STEP),
+    ):
+        found = event["object"]
+        if found.metadata.uid == pod.metadata.uid:
+            seen.append(found)
+        if event["type"] == "DELETED":
+            break
+    stream.stop()
+    return seen
 
 
 def test_the_same_worker_deleted_without_the_condition_fails_the_job(

@@ -19,7 +19,6 @@ TRAINING_FIGURES_FILE when set: bench/training_faults.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import os
@@ -37,7 +36,7 @@ from k8s_test_helpers import GPU_RESOURCE, KwokCluster, wait_for
 from kubernetes import client
 from scheduler import Process, ProcessError
 from test_e2e import POOL_LABEL, _summary, processes
-from test_job_stack import JOBSET_GROUP, JOBSET_VERSION, create_jobset, jobset, read_jobset
+from test_job_stack import create_jobset, delete_jobsets, jobset, read_jobset
 from test_restarter import GROUP, PLURAL, VERSION
 from test_training import (
     REPO,
@@ -128,29 +127,14 @@ def localized_jobset(*, python: Path, etcd: str, workdir: Path, pool: str) -> di
 def stack(
     k8s_managed_plane: testcluster.ControlPlane, k8s_managed: KwokCluster, tmp_path: Path
 ) -> Iterator[None]:
-    started: list[jobstack.Controller] = []
     try:
-        for start in (jobstack.start_jobset, jobstack.start_kueue):
-            started.append(start(k8s_managed_plane, k8s_managed.api, tmp_path / start.__name__))
+        started = jobstack.start_stack(k8s_managed_plane, k8s_managed.api, tmp_path / "stack")
     except ProcessError as exc:
-        for controller in started:
-            controller.stop()
         pytest.fail(str(exc), pytrace=False)
     yield
-    objects = client.CustomObjectsApi(k8s_managed.api)
-    for name in (NAME, WAITING):
-        with contextlib.suppress(client.ApiException):
-            objects.delete_namespaced_custom_object(
-                JOBSET_GROUP,
-                JOBSET_VERSION,
-                k8s_managed.namespace,
-                "jobsets",
-                name,
-                propagation_policy="Background",
-            )
+    delete_jobsets(k8s_managed, NAME, WAITING)
     jobstack.remove_queue(k8s_managed.api, QUEUE)
-    for controller in reversed(started):
-        controller.stop()
+    jobstack.stop_stack(started)
 
 
 def start_jobset_job(
