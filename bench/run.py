@@ -66,13 +66,13 @@ PEERS = {
 }
 TIME_LIMIT_S = {"quick": 100.0, "full": 1800.0}
 # Benchmarks that take longer in full mode: the fleet's loads alone are 20 minutes.
-FULL_TIME_LIMIT_S = {"fleet_scale": 5400.0, "goodput": 3600.0}
+FULL_TIME_LIMIT_S = {"fleet_scale": 5400.0, "goodput": 3600.0, "training_faults": 3600.0}
 # Not in quick mode, which stays under 2 minutes: two real kubelet nodes take about 35 s even for
 # one sample each (the cluster tests exercise the same nodes in CI).
 FULL_ONLY = {
     "kubelet_peer": "two real kubelet nodes: full mode only",
     "dra": "a real kubelet node and kube-scheduler: full mode only",
-    "training_faults": "a PaddlePaddle job on three real kubelet nodes: full mode only",
+    "training_faults": "PaddlePaddle and torchrun jobs on three real kubelet nodes: full mode only",
     "goodput": "the PaddlePaddle job for 20 minutes twice: full mode only",
     "fleet_scale": "500 nodes and 5,000 pods take about 3 minutes even quick (CI runs that size "
     "as tests/cluster/test_fleet_scale.py): full mode only",

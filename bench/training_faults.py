@@ -1,18 +1,19 @@
-"""Training through faults, measured: rounds of the training tests (a PaddlePaddle elastic job of
-3 workers on 3 real kubelet v1.37 nodes with the agents, kube-scheduler, kube-controller-manager
-and the restarter; see each test's docstring), each fault's fault → replacement Running →
-training resumed at world size 3, read from the trainers' own logs. One stack a column: `bare`
-(tests/cluster/test_training.py: the workers are bare pods, as a gang scheduler or an operator
-makes them) and `jobset` (tests/cluster/test_training_jobset.py: deploy/examples'
-paddle-elastic-jobset.yaml, a JobSet admitted by Kueue, the workers an Indexed Job's pods).
+"""Training through faults, measured: rounds of the training tests (an elastic job of 3 workers
+on 3 real kubelet v1.37 nodes with the agents, kube-scheduler, kube-controller-manager and the
+restarter; see each test's docstring), each fault's fault → replacement Running → training
+resumed at world size 3, read from the trainers' own logs. One stack a column: `bare`
+(tests/cluster/test_training.py: PaddlePaddle, the workers are bare pods, as a gang scheduler or
+an operator makes them), `jobset` (tests/cluster/test_training_jobset.py: deploy/examples'
+paddle-elastic-jobset.yaml, a JobSet admitted by Kueue, the workers an Indexed Job's pods) and
+`torchrun` (the same test with torchrun-elastic-jobset.yaml: torchrun's c10d rendezvous).
 
-    .venv/bin/python bench/training_faults.py [--quick] [--rounds 3] [--stacks bare,jobset]
+    .venv/bin/python bench/training_faults.py [--quick] [--rounds 3] [--stacks bare,jobset,torchrun]
 
 Prints per stack and scenario `training_<stack>_<scenario>_fault_to_training_resumed_p50 <s> s`
 (and the replacement's p50, and the steps lost at most) over the rounds. Full mode only: one
-round takes about 5 minutes a stack on 2 cores; `--quick` prints nothing and exits 0. The
-baseline (the same XID with the restarter stopped) has no resumption to time: its note says what
-happened.
+round takes about 5 minutes a stack on 2 cores (torch's environment installs first, ~2 min);
+`--quick` prints nothing and exits 0. The baseline (the same XID with the restarter stopped) has
+no resumption to time: its note says what happened.
 
 The side by side is Kubernetes' own: without a restarter a pod on a dead node is evicted after
 the taint-based eviction's default 300 s toleration, and nothing replaces a bare pod at all.
@@ -37,10 +38,13 @@ from typing import Any
 from benchstats import run_test_for_figures
 
 REPO = Path(__file__).resolve().parent.parent
+JOBSET_TEST = "tests/cluster/test_training_jobset.py::test_a_jobset_trains_through_faults_without_a_gang_restart"  # noqa: E501
 STACKS = {
     "bare": "tests/cluster/test_training.py::test_training_keeps_going_through_faults",
-    "jobset": "tests/cluster/test_training_jobset.py",
+    "jobset": f"{JOBSET_TEST}[paddle]",
+    "torchrun": f"{JOBSET_TEST}[torchrun]",
 }
+TRAINERS = {"bare": "paddle", "jobset": "paddle", "torchrun": "torch"}
 
 
 def slug(scenario: str) -> str:
@@ -56,6 +60,15 @@ def one_round(number: int, stack: str) -> list[dict[str, Any]]:
             raise SystemExit(1)
         rounds: list[dict[str, Any]] = json.loads(figures.read_text())
         return rounds
+
+
+def environments_ready(stacks: list[str]) -> bool:
+    """The trainers' environments the stacks need, installed (scripts/trainer-env)."""
+    trainer_env = str(REPO / "scripts" / "trainer-env")
+    return all(
+        subprocess.run([trainer_env, trainer], check=False).returncode == 0
+        for trainer in sorted({TRAINERS[s] for s in stacks})
+    )
 
 
 def main() -> int:
@@ -75,7 +88,7 @@ def main() -> int:
     if args.quick:
         print("[training_faults] full mode only", file=sys.stderr)
         return 0
-    if subprocess.run([str(REPO / "scripts" / "trainer-env")], check=False).returncode != 0:
+    if not environments_ready(stacks):
         return 3
     by_scenario: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for number in range(1, args.rounds + 1):

@@ -139,15 +139,24 @@ def _logs(root: Path) -> list[Path]:
 # --- fixtures -----------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def trainer_python() -> Path:
-    """The trainer's python (scripts/trainer-env installs PaddlePaddle once, into .cache)."""
+def trainer_env(trainer: str) -> Path:
+    """The python of a trainer's environment (scripts/trainer-env paddle|torch installs it once,
+    into .cache)."""
     done = subprocess.run(
-        [str(REPO / "scripts" / "trainer-env")], capture_output=True, text=True, check=False
+        [str(REPO / "scripts" / "trainer-env"), trainer],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if done.returncode != 0:
-        pytest.fail(f"scripts/trainer-env failed:\n{done.stderr[-2000:]}", pytrace=False)
+        pytest.fail(f"scripts/trainer-env {trainer} failed:\n{done.stderr[-2000:]}", pytrace=False)
     return Path(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def trainer_python() -> Path:
+    """The Paddle trainer's python."""
+    return trainer_env("paddle")
 
 
 @pytest.fixture

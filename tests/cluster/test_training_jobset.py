@@ -1,9 +1,11 @@
-"""Training keeps going through faults on the stack users submit to: the PaddlePaddle elastic job
-of deploy/examples/paddle-elastic-jobset.yaml (its policy and its JobSet as shipped; the
-trainer's paths, image and node pool set for this machine) on three real kubelet v1.37 nodes in
-exec mode, with JobSet's controller, Kueue's manager (the JobSet admitted from a LocalQueue with
-a quota of three GPUs), kube-controller-manager, kube-scheduler, an agent per node and the
-restarter.
+"""Training keeps going through faults on the stack users submit to, for each of two launchers:
+the PaddlePaddle elastic job of deploy/examples/paddle-elastic-jobset.yaml (etcd rendezvous) and
+the torchrun elastic job of deploy/examples/torchrun-elastic-jobset.yaml (c10d rendezvous on a
+store of its own; tests/training/train_torch.py, a real torch CPU trainer over gloo). Each runs
+its example's policy and JobSet as shipped (the trainer's python, paths, image, rendezvous
+address and node pool set for this machine) on three real kubelet v1.37 nodes in exec mode,
+with JobSet's controller, Kueue's manager (the JobSet admitted from a LocalQueue with a quota of
+three GPUs), kube-controller-manager, kube-scheduler, an agent per node and the restarter.
 
 One worker at a time goes through the faults; after each, the trainers' own logs must show a
 formation of three resuming from the newest checkpoint, and no gang restart may have happened:
@@ -15,15 +17,18 @@ the JobSet's workload stays admitted with its three GPUs reserved, never more, a
 that would need three more waits in the queue throughout.
 
 The timelines are printed as test_training.py prints them (and written to
-TRAINING_FIGURES_FILE when set: bench/training_faults.py)."""
+TRAINING_FIGURES_FILE when set: bench/training_faults.py). The trainers' environments come from
+scripts/trainer-env (paddle, torch), cached in .cache."""
 
 from __future__ import annotations
 
 import copy
 import json
 import os
+import socket
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +38,17 @@ import testcluster
 import testnode
 import yaml
 from k8s_test_helpers import GPU_RESOURCE, KwokCluster, wait_for
-from kubernetes import client
-from scheduler import Process, ProcessError
+from kubernetes import client, utils
+from scheduler import Process, ProcessError, free_port, spawn
 from test_e2e import POOL_LABEL, _summary, processes
-from test_job_stack import create_jobset, delete_jobsets, jobset, read_jobset
+from test_job_stack import (
+    JOBSET_GROUP,
+    JOBSET_VERSION,
+    create_jobset,
+    delete_jobsets,
+    jobset,
+    read_jobset,
+)
 from test_restarter import GROUP, PLURAL, VERSION
 from test_training import (
     REPO,
@@ -57,6 +69,7 @@ from test_training import (
     replaced_scenario,
     report,
     start_restarter_and_agents,
+    trainer_env,
     trainer_python,
     training_at_full_size,
     wait_resumed,
@@ -74,30 +87,37 @@ __all__ = [
 
 pytestmark = pytest.mark.kubelet
 
-EXAMPLE = REPO / "deploy" / "examples" / "paddle-elastic-jobset.yaml"
-NAME = "mnist-jobset"
+PADDLE_EXAMPLE = REPO / "deploy" / "examples" / "paddle-elastic-jobset.yaml"
+TORCH_EXAMPLE = REPO / "deploy" / "examples" / "torchrun-elastic-jobset.yaml"
+TRAIN_TORCH_PY = REPO / "tests" / "training" / "train_torch.py"
 QUEUE = "training"
 INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
 JOBSET_LABEL = "jobset.sigs.k8s.io/jobset-name"
 WAITING = "waits-for-quota"
+IMAGE = "registry.invalid/edl/trainer:test"  # the exec-mode runtime runs the command itself
 
 
-def shipped(kind: str) -> dict[str, Any]:
-    [found] = [d for d in yaml.safe_load_all(EXAMPLE.read_text()) if d and d["kind"] == kind]
+def shipped(example: Path, kind: str) -> dict[str, Any]:
+    [found] = [d for d in yaml.safe_load_all(example.read_text()) if d and d["kind"] == kind]
     return copy.deepcopy(found)
 
 
-def localized_jobset(*, python: Path, etcd: str, workdir: Path, pool: str) -> dict[str, Any]:
-    """The example's JobSet as shipped, with what only this machine can say: the trainer's
-    python, script and paths, the test etcd, the image (the runtime runs the command itself) and
-    the node pool."""
-    body = shipped("JobSet")
-    [replicated] = body["spec"]["replicatedJobs"]
-    pod = replicated["template"]["spec"]["template"]
-    spec = pod["spec"]
-    [container] = spec["containers"]
+@dataclass
+class Launcher:
+    """One example's JobSet and what only this machine can say about it: `name` (the JobSet's
+    and its policy's), `title` (its scenarios' prefix in the figures), `command` (the example's
+    trainer command made to run here: the trainer's python, script, checkpoint directory and
+    rendezvous address; the work directory is its argument)."""
+
+    name: str
+    title: str
+    example: Path
+    command: Callable[[list[str], Path], list[str]]
+
+
+def paddle_command(shipped_command: list[str], python: Path, etcd: str, workdir: Path) -> list[str]:
     command = []
-    for arg in container["command"]:
+    for arg in shipped_command:
         if arg == "python":
             command.append(str(python))
         elif arg.startswith("--master=etcd://"):
@@ -108,8 +128,81 @@ def localized_jobset(*, python: Path, etcd: str, workdir: Path, pool: str) -> di
             command.append(f"--checkpoints={workdir}/checkpoints")
         else:
             command.append(arg)
-    container["command"] = command
-    container["image"] = "registry.invalid/edl/paddle-trainer:test"
+    return command
+
+
+def torch_command(shipped_command: list[str], python: Path, store: str, workdir: Path) -> list[str]:
+    command = []
+    for arg in shipped_command:
+        if arg == "torchrun":
+            command += [str(python), "-m", "torch.distributed.run"]
+        elif arg.startswith("--rdzv-endpoint="):
+            command.append(f"--rdzv-endpoint={store}")
+        elif arg == "train_torch.py":
+            command.append(str(TRAIN_TORCH_PY))
+        elif arg.startswith("--checkpoints="):
+            command.append(f"--checkpoints={workdir}/checkpoints")
+        else:
+            command.append(arg)
+    return command
+
+
+def rendezvous_store(python: Path, directory: Path) -> tuple[Process, str]:
+    """The torchrun example's rendezvous store (its Deployment's command as shipped) on a free
+    loopback port; the process and its address."""
+    deployment = shipped(TORCH_EXAMPLE, "Deployment")
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    [port] = [p["containerPort"] for p in container["ports"]]
+    mine = free_port()
+    program, *args = container["command"]
+    assert program == "python", container["command"]
+    argv = [str(python), *(a.replace(str(port), str(mine)) for a in args)]
+    store = spawn("rendezvous-store", argv, directory)
+    address = f"127.0.0.1:{mine}"
+    wait_for(f"the rendezvous store on {address}", lambda: _listens(mine, store), bool, timeout=60)
+    return store, address
+
+
+def _listens(port: int, process: Process) -> bool:
+    process.check_alive()
+    with socket.socket() as probe:
+        probe.settimeout(1)
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.fixture(params=["paddle", "torchrun"])
+def launcher(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Launcher]:
+    if request.param == "paddle":
+        python: Path = request.getfixturevalue("trainer_python")
+        etcd_address: str = request.getfixturevalue("etcd")
+        yield Launcher(
+            "mnist-jobset",
+            "JobSet",
+            PADDLE_EXAMPLE,
+            lambda command, workdir: paddle_command(command, python, etcd_address, workdir),
+        )
+        return
+    python = trainer_env("torch")
+    store, address = rendezvous_store(python, tmp_path / "rendezvous-store")
+    yield Launcher(
+        "torch-jobset",
+        "torchrun",
+        TORCH_EXAMPLE,
+        lambda command, workdir: torch_command(command, python, address, workdir),
+    )
+    store.stop()
+
+
+def localized_jobset(launcher: Launcher, *, workdir: Path, pool: str) -> dict[str, Any]:
+    """The example's JobSet as shipped, with the launcher's command for this machine, an image
+    (unused here), the node pool, and the trainer's HOME and log settings."""
+    body = shipped(launcher.example, "JobSet")
+    [replicated] = body["spec"]["replicatedJobs"]
+    pod = replicated["template"]["spec"]["template"]
+    spec = pod["spec"]
+    [container] = spec["containers"]
+    container["command"] = launcher.command(container["command"], workdir)
+    container["image"] = IMAGE
     container["env"] = [
         *container.get("env", []),
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
@@ -132,9 +225,16 @@ def stack(
     except ProcessError as exc:
         pytest.fail(str(exc), pytrace=False)
     yield
-    delete_jobsets(k8s_managed, NAME, WAITING)
+    delete_jobsets(k8s_managed, *all_jobsets(k8s_managed))
     jobstack.remove_queue(k8s_managed.api, QUEUE)
     jobstack.stop_stack(started)
+
+
+def all_jobsets(k8s: KwokCluster) -> list[str]:
+    listed = client.CustomObjectsApi(k8s.api).list_namespaced_custom_object(
+        JOBSET_GROUP, JOBSET_VERSION, k8s.namespace, "jobsets"
+    )
+    return [item["metadata"]["name"] for item in listed["items"]]
 
 
 def start_jobset_job(
@@ -142,21 +242,25 @@ def start_jobset_job(
     plane: testcluster.ControlPlane,
     kubelet_nodes: Callable[..., testnode.Node],
     *,
-    trainer_python: Path,
-    etcd: str,
+    launcher: Launcher,
     processes: list[Process],
     tmp_path: Path,
 ) -> Job:
     ns = k8s.namespace
     workdir, nodes = pool_of_nodes(k8s, kubelet_nodes, tmp_path)
     restarter, agents = start_restarter_and_agents(k8s, plane, nodes, tmp_path, processes)
-    policy = shipped("FaultTolerancePolicy")
+    policy = shipped(launcher.example, "FaultTolerancePolicy")
     policy["metadata"]["namespace"] = ns
     client.CustomObjectsApi(k8s.api).create_namespaced_custom_object(
         GROUP, VERSION, ns, PLURAL, policy
     )
+    # The example's other objects (torchrun's rendezvous Service and Deployment): the API server
+    # takes them as written; their command runs here as a process (`rendezvous_store`).
+    for document in yaml.safe_load_all(launcher.example.read_text()):
+        if document and document["kind"] not in {"FaultTolerancePolicy", "JobSet"}:
+            utils.create_from_dict(k8s.api, document, namespace=ns, dry_run="All")
     jobstack.gpu_queue(k8s.api, ns, QUEUE, WORLD, GPU_RESOURCE)
-    create_jobset(k8s, localized_jobset(python=trainer_python, etcd=etcd, workdir=workdir, pool=ns))
+    create_jobset(k8s, localized_jobset(launcher, workdir=workdir, pool=ns))
     return Job(
         k8s,
         nodes,
@@ -164,9 +268,9 @@ def start_jobset_job(
         restarter,
         TrainerLogs(list(nodes.values())),
         workdir,
-        selector=f"{JOBSET_LABEL}={NAME}",
+        selector=f"{JOBSET_LABEL}={launcher.name}",
         index_label=INDEX_LABEL,
-        policy=NAME,
+        policy=launcher.name,
         owned=True,
     )
 
@@ -181,7 +285,7 @@ def no_gang_restart(job: Job, before: dict[str, str], victim: Any, what: str) ->
     index = victim.metadata.labels[INDEX_LABEL]
     others = {i: u for i, u in before.items() if i != index}
     assert {i: after.get(i) for i in others} == others, f"{what}: other workers were replaced"
-    status = read_jobset(job.k8s, NAME).get("status") or {}
+    status = read_jobset(job.k8s, job.policy).get("status") or {}
     assert not status.get("restarts"), f"{what}: the JobSet restarted its gang: {status}"
 
 
@@ -202,8 +306,7 @@ def test_a_jobset_trains_through_faults_without_a_gang_restart(  # noqa: PLR0917
     managed_scheduler: Process,
     policy_crd: None,
     stack: None,
-    trainer_python: Path,
-    etcd: str,
+    launcher: Launcher,
     processes: list[Process],
     tmp_path: Path,
 ) -> None:
@@ -213,8 +316,7 @@ def test_a_jobset_trains_through_faults_without_a_gang_restart(  # noqa: PLR0917
         k8s,
         k8s_managed_plane,
         managed_kubelet_nodes,
-        trainer_python=trainer_python,
-        etcd=etcd,
+        launcher=launcher,
         processes=processes,
         tmp_path=tmp_path,
     )
@@ -232,7 +334,10 @@ def test_a_jobset_trains_through_faults_without_a_gang_restart(  # noqa: PLR0917
         # --- XID on the GPU a worker holds: the Job makes the worker again at once
         before, victim = uids(job), job.worker(0)
         replaced_scenario(
-            job, f"JobSet: XID {XID} on a worker's GPU", victim, lambda: xid_on(job, victim)
+            job,
+            f"{launcher.title}: XID {XID} on a worker's GPU",
+            victim,
+            lambda: xid_on(job, victim),
         )
         no_gang_restart(job, before, victim, f"XID {XID}")
         quota_held(job)
@@ -244,7 +349,13 @@ def test_a_jobset_trains_through_faults_without_a_gang_restart(  # noqa: PLR0917
         found = wait_resumed(job, fault_at, "an exit 1")
         report(
             job,
-            Outcome("JobSet: a launcher exits 1 (restarted in place)", fault_at, None, found, note),
+            Outcome(
+                f"{launcher.title}: a launcher exits 1 (restarted in place)",
+                fault_at,
+                None,
+                found,
+                note,
+            ),
         )
         assert uids(job) == before, "an in-place restart replaces no pod"
 
@@ -252,7 +363,7 @@ def test_a_jobset_trains_through_faults_without_a_gang_restart(  # noqa: PLR0917
         before = uids(job)
         replaced_scenario(
             job,
-            "JobSet: a launcher exits 101 (the Job's backoff)",
+            f"{launcher.title}: a launcher exits 101 (the Job's backoff)",
             victim,
             lambda: _exit(job, victim, 101),
         )
@@ -261,7 +372,10 @@ def test_a_jobset_trains_through_faults_without_a_gang_restart(  # noqa: PLR0917
         # --- a force delete
         before, victim = uids(job), job.worker(2)
         replaced_scenario(
-            job, "JobSet: a worker pod force-deleted", victim, lambda: _force_delete(job, victim)
+            job,
+            f"{launcher.title}: a worker pod force-deleted",
+            victim,
+            lambda: _force_delete(job, victim),
         )
         no_gang_restart(job, before, victim, "force delete")
         quota_held(job)
@@ -271,7 +385,10 @@ def test_a_jobset_trains_through_faults_without_a_gang_restart(  # noqa: PLR0917
         before, victim = uids(job), job.worker(0)
         dead = victim.spec.node_name
         replaced_scenario(
-            job, "JobSet: a node dies (kubelet and runtime stop)", victim, lambda: _kill(job, dead)
+            job,
+            f"{launcher.title}: a node dies (kubelet and runtime stop)",
+            victim,
+            lambda: _kill(job, dead),
         )
         no_gang_restart(job, before, victim, "node death")
         assert all(p.spec.node_name != dead for p in job.pods())
@@ -281,11 +398,11 @@ def test_a_jobset_trains_through_faults_without_a_gang_restart(  # noqa: PLR0917
         # exit it owns; no failure of ours was counted against the Job.
         batch = client.BatchV1Api(k8s.api)
         [worker_job] = batch.list_namespaced_job(
-            k8s.namespace, label_selector=f"{JOBSET_LABEL}={NAME}"
+            k8s.namespace, label_selector=f"{JOBSET_LABEL}={launcher.name}"
         ).items
         assert (worker_job.status.failed or 0) == 1, worker_job.status
         policy = client.CustomObjectsApi(k8s.api).get_namespaced_custom_object(
-            GROUP, VERSION, k8s.namespace, PLURAL, NAME
+            GROUP, VERSION, k8s.namespace, PLURAL, launcher.name
         )
         assert (policy.get("status") or {}).get("restarts") == 3, policy.get("status")
     finally:

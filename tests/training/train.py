@@ -15,60 +15,27 @@ exits 0 after `--steps` steps."""
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import signal
 import sys
-import threading
-import time
 from pathlib import Path
 
 import paddle
 import paddle.distributed as dist
-
-
-def say(**fields: object) -> None:
-    print(json.dumps({"t": round(time.time(), 3), **fields}), flush=True)
-
-
-def newest(directory: Path) -> tuple[int, Path | None]:
-    found = sorted(
-        (int(p.name.split("-")[1]), p) for p in directory.glob("step-*") if p.name[5:].isdigit()
-    )
-    return found[-1] if found else (0, None)
+from trainer_io import after_step, arguments, leaving_on_sigterm, newest, publish, say
 
 
 def save(
     directory: Path, step: int, model: paddle.nn.Layer, opt: paddle.optimizer.Optimizer
 ) -> None:
-    final = directory / f"step-{step}"
-    if final.exists():
-        return  # saved before a re-formation resumed from an older one
-    # A trainer leaving on SIGTERM may save the same step as rank 0: each writes its own copy.
-    partial = directory / f".partial-{step}-{os.getpid()}"
-    partial.mkdir(parents=True, exist_ok=True)
-    paddle.save(model.state_dict(), str(partial / "model.pdparams"))
-    paddle.save(opt.state_dict(), str(partial / "opt.pdopt"))
-    try:
-        partial.rename(final)
-    except OSError:
-        if not final.exists():
-            raise  # not the other copy's arrival: a real failure
+    def write(partial: Path) -> None:
+        paddle.save(model.state_dict(), str(partial / "model.pdparams"))
+        paddle.save(opt.state_dict(), str(partial / "opt.pdopt"))
+
+    publish(directory, step, write)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--checkpoints", type=Path, required=True)
-    parser.add_argument("--steps", type=int, default=100_000)
-    parser.add_argument("--checkpoint-every", type=int, default=50)
-    parser.add_argument("--report-every", type=int, default=10)
-    parser.add_argument("--step-seconds", type=float, default=0.02, help="pause per step")
-    parser.add_argument("--ignore-sigterm", action="store_true", help="do not save on SIGTERM")
-    args = parser.parse_args()
-    leaving = threading.Event()
-    if not args.ignore_sigterm:
-        signal.signal(signal.SIGTERM, lambda _signum, _frame: leaving.set())
+    args = arguments(__doc__)
+    leaving = leaving_on_sigterm(args.ignore_sigterm)
 
     dist.init_parallel_env()
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -81,7 +48,11 @@ def main() -> int:
     if path is not None:
         model.set_state_dict(paddle.load(str(path / "model.pdparams")))
         opt.set_state_dict(paddle.load(str(path / "opt.pdopt")))
-    model = paddle.DataParallel(model) if world > 1 else model
+    inner, model = model, paddle.DataParallel(model) if world > 1 else model
+
+    def saving(at: int) -> None:
+        save(args.checkpoints, at, inner, opt)
+
     say(event="start", world=world, rank=rank, resumed_from=step)
     target = paddle.arange(32, dtype="float32").reshape([32, 1]) / 32
     while step < args.steps:
@@ -92,16 +63,8 @@ def main() -> int:
         opt.step()
         opt.clear_grad()
         step += 1
-        if step % args.report_every == 0:
-            say(event="step", step=step, world=world, rank=rank, loss=round(float(loss), 5))
-        inner = model._layers if isinstance(model, paddle.DataParallel) else model
-        if leaving.is_set():
-            save(args.checkpoints, step, inner, opt)
-            say(event="saved", step=step, world=world, rank=rank)
+        if after_step(args, leaving, (step, rank, world), float(loss), saving):
             return 0
-        if rank == 0 and step % args.checkpoint_every == 0:
-            save(args.checkpoints, step, inner, opt)
-        time.sleep(args.step_seconds)
     return 0
 
 
