@@ -157,7 +157,7 @@ def rendezvous_store(python: Path, directory: Path) -> tuple[Process, str]:
     program, *args = container["command"]
     assert program == "python", container["command"]
     argv = [str(python), *(a.replace(str(port), str(mine)) for a in args)]
-    store = spawn("rendezvous-store", argv, directory)
+    store = spawn("rendezvous-store", argv, directory, env={**os.environ, "TMPDIR": str(directory)})
     address = f"127.0.0.1:{mine}"
     wait_for(f"the rendezvous store on {address}", lambda: _listens(mine, store), bool, timeout=60)
     return store, address
@@ -195,7 +195,7 @@ def launcher(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Launche
 
 def localized_jobset(launcher: Launcher, *, workdir: Path, pool: str) -> dict[str, Any]:
     """The example's JobSet as shipped, with the launcher's command for this machine, an image
-    (unused here), the node pool, and the trainer's HOME and log settings."""
+    (unused here), the node pool, and the trainer's HOME, TMPDIR and log settings."""
     body = shipped(launcher.example, "JobSet")
     [replicated] = body["spec"]["replicatedJobs"]
     pod = replicated["template"]["spec"]["template"]
@@ -203,10 +203,13 @@ def localized_jobset(launcher: Launcher, *, workdir: Path, pool: str) -> dict[st
     [container] = spec["containers"]
     container["command"] = launcher.command(container["command"], workdir)
     container["image"] = IMAGE
+    scratch = workdir / "tmp"  # torchrun's log directories and torch's caches: never /tmp
+    scratch.mkdir(exist_ok=True)
     container["env"] = [
         *container.get("env", []),
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "HOME", "value": str(workdir / "home")},
+        {"name": "TMPDIR", "value": str(scratch)},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
     ]
     container.pop("volumeMounts", None)  # the checkpoints are a host directory here
