@@ -106,10 +106,8 @@ def main() -> int:
         return 0
     if args.minutes <= 0 or args.interval <= 0:
         parser.error("--minutes and --interval must be positive")
-    if (
-        subprocess.run([str(REPO / "scripts" / "trainer-env"), "paddle"], check=False).returncode
-        != 0
-    ):
+    trainer_env = [str(REPO / "scripts" / "trainer-env"), "paddle"]
+    if subprocess.run(trainer_env, check=False).returncode != 0:
         return 3
     runs = {figures["run"]: figures for figures in run(args.minutes, args.interval)}
     if set(runs) != {"fault_free", "faults"}:
